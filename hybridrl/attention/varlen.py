@@ -1,0 +1,81 @@
+"""Variable-length causal attention over packed sequences: the flash-attn shim.
+
+``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16) when installed and enabled;
+otherwise a per-sequence ``scaled_dot_product_attention(is_causal=True)`` loop, which
+also needs no mask and costs sum(len²), not T². flash-attn is imported lazily, only
+when a CUDA tensor asks for it. Tests flip :data:`USE_FLASH_ATTN` (or call
+:func:`set_flash_attn_enabled`) to force the fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+USE_FLASH_ATTN = True  # switch: False forces the SDPA fallback everywhere
+
+
+def set_flash_attn_enabled(enabled: bool) -> None:
+    global USE_FLASH_ATTN
+    USE_FLASH_ATTN = bool(enabled)
+
+
+@functools.cache
+def _flash_varlen_func():
+    """``flash_attn_varlen_func`` or None when flash-attn is not installed."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:  # optional extra: pip install flash-attn
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_attn_usable(q: torch.Tensor) -> bool:
+    """Whether the flash-attn varlen kernel will serve ``q``."""
+    return (
+        USE_FLASH_ATTN
+        and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and _flash_varlen_func() is not None
+    )
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence.
+
+    Args:
+        q: ``[T, H, D]`` packed queries.
+        k, v: ``[T, H_kv, D]`` (grouped-query: ``H % H_kv == 0``).
+        cu_seqlens: ``[N + 1]`` int32 cumulative sequence lengths.
+        max_seqlen: longest sequence.
+    Returns:
+        ``[T, H, D]`` in ``q.dtype``.
+    """
+    if flash_attn_usable(q):
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return _flash_varlen_func()(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, softmax_scale=scale, causal=True
+        )
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()  # host copy once per call; fallback path
+    gqa = q.shape[1] != k.shape[1]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q_i, k_i, v_i = (t[start:end].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
+        o_i = F.scaled_dot_product_attention(
+            q_i, k_i, v_i, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
+        )
+        out[start:end] = o_i.transpose(0, 1)  # (L, H, D)
+    return out

@@ -1,0 +1,356 @@
+"""Typed run configuration: one small dataclass per component, YAML + dotted overrides.
+
+Every field carries a one-line doc in ``metadata["help"]`` (shown by ``hybridrl train
+--help``). Validation happens before any work: unknown keys (with the nearest valid
+key suggested), wrong types and impossible combinations raise :class:`ConfigError`,
+a one-line ``ValueError`` that names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration (one line: key, problem, fix)."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str | None = _f(None, "local Hugging Face checkpoint dir (model + tokenizer); None = built-in tiny Qwen2")
+    hidden_size: int = _f(128, "built-in model: hidden size")
+    num_hidden_layers: int = _f(2, "built-in model: decoder layers")
+    num_attention_heads: int = _f(4, "built-in model: attention heads")
+    num_key_value_heads: int = _f(2, "built-in model: KV heads (GQA)")
+    intermediate_size: int = _f(512, "built-in model: MLP width")
+    dtype: str = _f("float32", "trainer dtype: float32 | bfloat16")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use float32 or bfloat16")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("model.num_attention_heads must be a multiple of model.num_key_value_heads")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("model.hidden_size must be a multiple of model.num_attention_heads")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_files: list[str] = _f([], "jsonl/parquet prompt files; empty = built-in arithmetic task")
+    val_files: list[str] = _f([], "held-out jsonl/parquet files for eval (default: 5% split of train)")
+    prompt_key: str = _f("prompt", "column holding the prompt (text, or chat messages)")
+    answer_key: str = _f("answer", "column holding the ground truth passed to the reward (optional)")
+    max_prompt_length: int = _f(64, "prompts longer than this (in tokens) are skipped and counted")
+    num_digits: int = _f(2, "arithmetic task: digits per operand")
+    operations: str = _f("+-", "arithmetic task: operators to draw from, any of '+-*'")
+    train_size: int = _f(20000, "arithmetic task: number of training prompts")
+    eval_size: int = _f(256, "held-out prompts for eval")
+    seed: int = _f(0, "seed for task generation and shuffling")
+
+    def __post_init__(self) -> None:
+        bad = set(self.operations) - set("+-*")
+        if bad or not self.operations:
+            raise ConfigError(f"data.operations={self.operations!r}: use a non-empty subset of '+-*'")
+        if not 1 <= self.num_digits <= 6:
+            raise ConfigError(f"data.num_digits={self.num_digits}: use 1..6")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    function: str = _f("exact_match", "built-in reward name, or path/to/file.py:fn / module:fn")
+    timeout_s: float = _f(10.0, "a reward call running longer scores 0 and is counted as a failure")
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"reward.timeout_s={self.timeout_s}: must be > 0")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    n: int = _f(8, "samples per prompt (the GRPO group size)")
+    temperature: float = _f(1.0, "sampling temperature (log-probs are of the temperature-scaled distribution)")
+    top_k: int = _f(-1, "top-k sampling; -1 = off")
+    top_p: float = _f(1.0, "top-p (nucleus) sampling; 1.0 = off")
+    max_tokens: int = _f(8, "max new tokens per response")
+    quantization: str | None = _f(None, "rollout weights: None | fp8 | fp8_block")
+    enforce_eager: bool = _f(False, "disable CUDA-graph decode")
+    backend: str = _f("builtin", "rollout engine: builtin (vllm: not yet supported)")
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"rollout.n={self.n}: need at least 1 sample per prompt")
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        if self.quantization not in (None, "fp8", "fp8_block"):
+            raise ConfigError(f"rollout.quantization={self.quantization!r}: use null, fp8 or fp8_block")
+        if self.backend != "builtin":
+            raise ConfigError(f"rollout.backend={self.backend!r}: only 'builtin' is available in this release")
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    adv_estimator: str = _f("grpo", "grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | gae")
+    norm_adv_by_std_in_grpo: bool = _f(True, "grpo: divide by the group std")
+    policy_loss: str = _f("vanilla", "vanilla (PPO clip; dual clip via clip_ratio_c, DAPO clip-higher via clip_ratio_high) | gspo | cispo | reinforce")
+    clip_ratio_low: float = _f(0.2, "PPO clip epsilon (lower side)")
+    clip_ratio_high: float = _f(0.2, "PPO clip epsilon (upper side; > low = DAPO clip-higher)")
+    clip_ratio_c: float | None = _f(3.0, "dual-clip constant c (> 1); null = dual clip off")
+    loss_agg_mode: str = _f("token-mean", "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm")
+    kl_coef: float = _f(0.0, "KL coefficient (0 = no reference model)")
+    kl_estimator: str = _f("k3", "k1 | k2 | k3 | abs | low_var_kl | mse")
+    use_kl_loss: bool = _f(True, "KL as a loss term (True) or a reward penalty (False)")
+    adaptive_kl_target: float | None = _f(None, "reward-penalty KL: target KL for the adaptive controller; None = fixed")
+    kl_horizon: int = _f(10000, "adaptive KL controller horizon (samples)")
+    entropy_coeff: float = _f(0.0, "entropy bonus coefficient")
+    gamma: float = _f(1.0, "discount (gae, reinforce_plus_plus)")
+    lam: float = _f(1.0, "GAE lambda")
+    tis_cap: float | None = _f(None, "truncated importance sampling cap C for rollout/trainer mismatch; None = off")
+    mismatch_seq_upper: float | None = _f(None, "mask sequences whose trainer/rollout geometric-mean ratio exceeds this; None = off")
+    mismatch_seq_lower: float | None = _f(None, "lower bound of that ratio (default 1/upper)")
+    dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
+    overlong_filter: bool = _f(False, "DAPO: mask truncated responses out of the loss")
+    overlong_buffer_len: int = _f(0, "DAPO overlong shaping buffer (tokens); 0 = off")
+    overlong_penalty_factor: float = _f(1.0, "DAPO overlong penalty at the max length")
+    cliprange_value: float = _f(0.2, "PPO value clip")
+
+    def __post_init__(self) -> None:
+        if self.kl_coef < 0:
+            raise ConfigError(f"algo.kl_coef={self.kl_coef}: must be >= 0")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ConfigError(f"algo.clip_ratio_c={self.clip_ratio_c}: dual-clip needs c > 1")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = _f(2e-4, "RL learning rate (AdamW)")
+    sft_lr: float = _f(3e-3, "warm-start (supervised) learning rate")
+    critic_lr: float = _f(1e-3, "critic learning rate (gae only)")
+    betas: list[float] = _f([0.9, 0.99], "AdamW betas")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(5, "linear warm-up steps of the RL learning rate")
+    grad_clip: float = _f(1.0, "max gradient norm")
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.sft_lr <= 0:
+            raise ConfigError("optim.lr and optim.sft_lr must be > 0")
+        if len(self.betas) != 2:
+            raise ConfigError(f"optim.betas={self.betas}: give two numbers, e.g. [0.9, 0.99]")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_steps: int = _f(60, "GRPO steps (one rollout batch each)")
+    prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
+    mini_batch_size: int = _f(128, "responses per optimizer step (must divide the batch)")
+    ppo_epochs: int = _f(1, "passes over each rollout batch")
+    max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
+    sft_steps: int = _f(150, "supervised warm-start steps before RL (0 = none)")
+    sft_batch_size: int = _f(64, "warm-start batch size")
+    eval_every: int = _f(10, "evaluate held-out accuracy every k RL steps")
+    seed: int = _f(0, "seed for model init, sampling and shuffling")
+    device: str = _f("cpu", "cpu | cuda | cuda:N")
+    threads: int = _f(0, "torch CPU threads; 0 = all cores")
+    output_dir: str = _f("runs", "parent of the run directory")
+    run_name: str = _f("default", "run directory name under output_dir")
+    save_checkpoint: bool = _f(True, "write an HF-format checkpoint at the end")
+    refit_bucket_mb: int = _f(64, "refit bucket size (MiB)")
+    refit_verify: bool = _f(False, "check engine addresses and checksums after every refit")
+
+    def __post_init__(self) -> None:
+        for key in ("total_steps", "prompts_per_step", "mini_batch_size", "ppo_epochs", "eval_every", "sft_batch_size"):
+            if getattr(self, key) < (0 if key == "total_steps" else 1):
+                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be positive")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    tensorboard: bool = _f(True, "write TensorBoard event files")
+    plot: bool = _f(True, "write curves.png (reward and eval accuracy vs step)")
+    progress: bool = _f(True, "show progress bars")
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        batch = self.trainer.prompts_per_step * self.rollout.n
+        if batch % self.trainer.mini_batch_size:
+            raise ConfigError(
+                f"trainer.mini_batch_size={self.trainer.mini_batch_size} does not divide the batch "
+                f"trainer.prompts_per_step * rollout.n = {batch}; pick a divisor of {batch}")
+        if self.algo.adv_estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
+            raise ConfigError(f"algo.adv_estimator={self.algo.adv_estimator} needs groups: set rollout.n >= 2")
+
+
+GROUPS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _suggest(name: str, choices: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    if close:
+        return f"; did you mean {prefix}{close[0]}?"
+    return f"; valid keys: {', '.join(prefix + c for c in sorted(choices))}"
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert ``value`` to the annotated type ``tp`` (strings from the CLI parse as YAML)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list, e.g. {key}=[a,b]")
+        return [_coerce(v, args[0], key) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r}: expected a number")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}={value!r}: expected a string")
+    return value
+
+
+def _resolve_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def build_config(tree: dict[str, Any] | None = None, *, source: str = "config") -> Config:
+    """Build a validated :class:`Config` from a nested dict (YAML-shaped)."""
+    tree = tree or {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of groups ({', '.join(GROUPS)})")
+    groups: dict[str, Any] = {}
+    for gname, gval in tree.items():
+        if gname not in GROUPS:
+            raise ConfigError(f"{source}: unknown group {gname!r}{_suggest(gname, list(GROUPS))}")
+        cls = GROUPS[gname]
+        if not isinstance(gval, dict):
+            raise ConfigError(f"{source}: group {gname!r} must be a mapping of keys")
+        names = [f.name for f in dataclasses.fields(cls)]
+        kwargs = {}
+        for k, v in gval.items():
+            if k not in names:
+                raise ConfigError(f"{source}: unknown key {gname}.{k}{_suggest(k, names, gname + '.')}")
+            try:
+                kwargs[k] = _coerce(v, _resolve_type(cls, k), f"{gname}.{k}")
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+        try:
+            groups[gname] = cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    try:
+        return Config(**groups)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["trainer.total_steps=200", "algo.kl_coef=0"]`` → nested dict (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r}: expected group.key=value, e.g. trainer.total_steps=200")
+        key, raw = item.split("=", 1)
+        group, name = key.split(".", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        tree.setdefault(group, {})[name] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k].update(v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """YAML file (optional) plus dotted overrides → validated :class:`Config`."""
+    tree: dict[str, Any] = {}
+    source = "overrides"
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config {path}: file not found")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        source = str(p)
+    tree = _merge(tree, parse_overrides(overrides or []))
+    return build_config(tree, source=source)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def help_text() -> str:
+    """The groups and their keys with defaults and docs, for ``hybridrl train --help``."""
+    lines = []
+    for gname, cls in GROUPS.items():
+        lines.append(f"{gname}:")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {gname}.{f.name} = {default!r}  -- {f.metadata.get('help', '')}")
+    return "\n".join(lines)

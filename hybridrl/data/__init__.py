@@ -1,0 +1,1 @@
+"""Prompt datasets: the built-in arithmetic task, its tokenizer, and jsonl/parquet files."""

@@ -1,0 +1,133 @@
+"""FP8 (e4m3fn) weight quantization into preallocated tensors, in place.
+
+Two granularities for a linear weight ``w [N, K]`` (N output rows, K input columns):
+
+- per-output-channel: ``scale [N, 1]`` float32, ``w[n, :] ≈ q[n, :] * scale[n]``;
+- 128×128 blocks: ``scale [ceil(N/128), ceil(K/128)]`` float32, one scale per tile;
+  edge tiles may be partial.
+
+Why in place: the FP8 weight and its scale are the tensors a captured CUDA graph reads.
+Refit must write *into* them (``copy_``), never allocate replacements. Every function
+here takes its output tensors as arguments and never rebinds them.
+
+Numerics. ``scale = amax / 448`` with ``amax`` the largest |w| of the row / tile (zero
+rows get ``scale = TINY / 448``), so the scaled values ``y = w / scale`` lie in
+[-448, 448] and the cast to e4m3fn rounds to nearest-even without saturating (a clamp
+guards the fp32 rounding of the division). e4m3fn has 3 mantissa bits: for normal
+``|y| >= 2**-6`` the rounding error is at most half an ulp, ``2**-4 * |y|``; below it the
+subnormal spacing is ``2**-9``, so at most ``2**-10``. Scaling back multiplies by
+``scale``, so elementwise ``|dequant(w) - w| <= 2**-4 |w| + 2**-10 scale`` (plus fp32
+rounding of the divide and multiply, covered by a ``2**-20 |w|`` slack term). That is
+``abs_error_bound``; the refit verifier and the tests use it. ``dequantize_`` rounds once
+more into the output dtype (bf16: a further ``2**-8`` relative), which the callers add.
+
+Work is done in stripes of ``BLOCK`` rows so the float32 temporary is ``128 × K``, not
+the whole weight: refit's peak extra memory stays one bucket plus the largest tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+BLOCK = 128  # tile edge of block quantization (DeepSeek-V3 style 128×128)
+TINY = 1e-12  # amax floor so an all-zero row / tile gets a finite, nonzero scale
+ROWS_PER_STRIPE = BLOCK  # rows quantized per float32 temporary
+
+
+def block_scale_shape(n_rows: int, n_cols: int) -> tuple[int, int]:
+    """Shape of the 128×128 block-scale tensor for an ``[n_rows, n_cols]`` weight."""
+    return (math.ceil(n_rows / BLOCK), math.ceil(n_cols / BLOCK))
+
+
+def _check(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: bool):
+    assert src.dim() == 2 and src.shape == weight.shape, (src.shape, weight.shape)
+    assert weight.dtype == FP8_DTYPE and scale.dtype == torch.float32
+    want = block_scale_shape(*weight.shape) if block else (weight.shape[0], 1)
+    assert tuple(scale.shape) == want, (tuple(scale.shape), want)
+
+
+def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, block: bool) -> None:
+    """Quantize ``src [N, K]`` (any float dtype) into ``weight [N, K]`` fp8 and ``scale`` in place.
+
+    ``scale`` is ``[N, 1]`` (per channel) or ``block_scale_shape(N, K)`` (block). For block
+    quantization ``weight`` must start on a 128-row tile boundary of its scale (callers pass
+    row slices of a fused weight whose shard offsets are multiples of 128).
+    """
+    _check(src, weight, scale, block)
+    n_rows, n_cols = src.shape
+    for r0 in range(0, n_rows, ROWS_PER_STRIPE):
+        r1 = min(r0 + ROWS_PER_STRIPE, n_rows)
+        y = src[r0:r1].to(torch.float32, copy=True)  # (R, K) fp32 temporary
+        if block:
+            s = _block_stripe_scale(y)  # (1, ceil(K/128))
+            scale[r0 // BLOCK].copy_(s[0])
+            s = s.repeat_interleave(BLOCK, dim=1)[:, :n_cols]  # (1, K)
+        else:
+            s = y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX)  # (R, 1)
+            scale[r0:r1].copy_(s)
+        y.div_(s).clamp_(-FP8_MAX, FP8_MAX)
+        weight[r0:r1].copy_(y)  # fp32 -> e4m3fn, round to nearest even
+
+
+def _block_stripe_scale(y: torch.Tensor) -> torch.Tensor:
+    """Scales ``(1, ceil(K/128))`` for one stripe ``y (R <= 128, K)``: amax per 128 columns."""
+    n_cols = y.shape[1]
+    pad = (-n_cols) % BLOCK
+    a = y.abs()
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))  # zeros never raise an amax
+    amax = a.view(a.shape[0], -1, BLOCK).amax(dim=(0, 2))  # (ceil(K/128),)
+    return amax.clamp_(min=TINY).div_(FP8_MAX).unsqueeze(0)
+
+
+def expand_scale(scale: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
+    """Broadcastable per-element scale for an ``[n_rows, n_cols]`` weight.
+
+    Per channel: ``scale [N, 1]`` itself (a view). Block: an ``[N, K]`` expansion (allocates).
+    """
+    if scale.shape[1] == 1 and scale.shape[0] == n_rows:
+        return scale
+    s = scale.repeat_interleave(BLOCK, dim=0)[:n_rows]
+    return s.repeat_interleave(BLOCK, dim=1)[:, :n_cols]
+
+
+def dequantize_(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Write ``weight * scale`` (computed in float32, then cast) into ``out`` in place.
+
+    ``weight [N, K]`` fp8 (e4m3fn, or a same-storage e4m3fnuz view with matching scale),
+    ``scale`` per channel ``[N, 1]`` or block ``block_scale_shape(N, K)``, ``out [N, K]``.
+    Deterministic: the same inputs always give bitwise the same ``out``.
+    """
+    n_rows, n_cols = weight.shape
+    assert out.shape == weight.shape and scale.dtype == torch.float32
+    block = not (scale.shape[1] == 1 and scale.shape[0] == n_rows)
+    for r0 in range(0, n_rows, ROWS_PER_STRIPE):
+        r1 = min(r0 + ROWS_PER_STRIPE, n_rows)
+        y = weight[r0:r1].to(torch.float32)  # (R, K)
+        if block:
+            s = scale[r0 // BLOCK].repeat_interleave(BLOCK)[:n_cols].unsqueeze(0)  # (1, K)
+        else:
+            s = scale[r0:r1]  # (R, 1)
+        out[r0:r1].copy_(y.mul_(s))
+
+
+def abs_error_bound(src: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on ``|dequant(quant(src)) - src|`` in float32 (see module doc).
+
+    ``scale`` is the scale ``quantize_`` produced for ``src``; the result has ``src``'s shape.
+    """
+    s = expand_scale(scale, *src.shape)
+    return src.abs().to(torch.float32).mul_(2.0**-4 + 2.0**-20).add_(s * 2.0**-10)
+
+
+def reference_scale(src: torch.Tensor, *, block: bool) -> torch.Tensor:
+    """The scale ``quantize_`` would produce for ``src [N, K]`` (allocates; for checks)."""
+    n_rows, n_cols = src.shape
+    shape = block_scale_shape(n_rows, n_cols) if block else (n_rows, 1)
+    scale = torch.empty(shape, dtype=torch.float32, device=src.device)
+    weight = torch.empty(src.shape, dtype=FP8_DTYPE, device=src.device)
+    quantize_(src, weight, scale, block=block)
+    return scale

@@ -1,0 +1,114 @@
+"""The decode loop for one batch of requests (<= max_batch_size rows).
+
+Per step: one decode forward, one batched sample, a few small in-place tensor ops; the
+only host sync is the `done` check every `sync_every` steps (free on CPU). When at
+most half of the current rows are still running, finished rows are *compacted* out:
+the survivors' cache rows move to [0, n) and every per-row tensor is gathered, so the
+remaining steps run on a smaller batch (on CUDA: replay a smaller graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridrl.rollout.layers.sampler import SamplingTensors, make_uniforms, sample
+from hybridrl.rollout.model_runner import ModelRunner
+from hybridrl.rollout.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    max_new: int
+    """max_tokens capped so prompt + response fits max_seq_len."""
+
+
+@dataclass
+class BatchState:
+    """Per-row decode state; rows are compacted together."""
+
+    row_map: torch.Tensor  # [B] long: output row of each running row
+    tokens: torch.Tensor  # [B] long: last sampled token (input of the next step)
+    positions: torch.Tensor  # [B] long: cache slot of `tokens`
+    done: torch.Tensor  # [B] bool
+    max_new: torch.Tensor  # [B] long
+    stop_ids: torch.Tensor  # [B, n_stop] long, -1 padded
+    sampling: SamplingTensors
+
+    def select(self, rows: torch.Tensor) -> "BatchState":
+        return BatchState(self.row_map[rows], self.tokens[rows], self.positions[rows], self.done[rows],
+                          self.max_new[rows], self.stop_ids[rows], self.sampling.select(rows))
+
+
+def run_batch(runner: ModelRunner, requests: list[Request], vocab_size: int,
+              sync_every: int = 1) -> list[tuple[list[int], list[float], str]]:
+    """Generate for `requests`; returns (response ids, log-probs, finish reason) per request."""
+    dev, B = runner.device, len(requests)
+    lengths = torch.tensor([len(r.prompt) for r in requests], device=dev)
+    S, steps = int(lengths.max()), max(r.max_new for r in requests)
+    input_ids = torch.zeros(B, S, dtype=torch.long)
+    for b, r in enumerate(requests):
+        input_ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
+    state = _initial_state(requests, lengths, steps, vocab_size, dev)
+    has_stop = state.stop_ids.shape[1] > 0
+    out_tokens = torch.full((B, steps), -1, dtype=torch.long, device=dev)
+    out_logprobs = torch.zeros(B, steps, dtype=torch.float32, device=dev)
+
+    logits = runner.prefill(input_ids.to(dev), lengths)
+    for step in range(steps):
+        if step > 0:
+            logits = runner.decode(state.tokens, state.positions, min(S + step, runner.max_seq_len))
+            state.positions.add_(1).clamp_(max=runner.max_seq_len - 1)  # finished rows may run past
+        tokens, logprobs = sample(logits, state.sampling, step)
+        out_tokens[state.row_map, step] = tokens.masked_fill(state.done, -1)
+        out_logprobs[state.row_map, step] = logprobs
+        state.tokens = tokens
+        state.done |= state.max_new <= step + 1
+        if has_stop:
+            state.done |= (tokens.unsqueeze(1) == state.stop_ids).any(dim=1)
+        if step + 1 < steps and (step + 1) % sync_every == 0:
+            running = (~state.done).nonzero().squeeze(1)
+            n = running.numel()
+            if n == 0:
+                break
+            if n <= state.done.numel() // 2:
+                runner.kv_cache.move_rows(running, min(S + step, runner.max_seq_len))
+                state = state.select(running)
+    return _collect(out_tokens.cpu(), out_logprobs.cpu(), requests)
+
+
+def _initial_state(requests, lengths, steps, vocab_size, dev) -> BatchState:
+    B = len(requests)
+    n_stop = max(len(r.params.stop_token_ids) for r in requests)
+    stop_ids = torch.full((B, n_stop), -1, dtype=torch.long)
+    for b, r in enumerate(requests):
+        stop_ids[b, :len(r.params.stop_token_ids)] = torch.tensor(r.params.stop_token_ids, dtype=torch.long)
+    ps = [r.params for r in requests]
+    all_greedy = all(p.temperature == 0 for p in ps)
+    sampling = SamplingTensors(
+        temperature=torch.tensor([[p.temperature] for p in ps], dtype=torch.float32, device=dev),
+        top_k=torch.tensor([[p.top_k if p.top_k > 0 else vocab_size] for p in ps], device=dev),
+        top_p=torch.tensor([[p.top_p] for p in ps], dtype=torch.float32, device=dev),
+        uniforms=torch.empty(B, 0, device=dev) if all_greedy else make_uniforms([r.seed for r in requests], steps, dev),
+        all_greedy=all_greedy,
+        use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
+    )
+    return BatchState(
+        row_map=torch.arange(B, device=dev), tokens=torch.zeros(B, dtype=torch.long, device=dev),
+        positions=lengths.clone(), done=torch.zeros(B, dtype=torch.bool, device=dev),
+        max_new=torch.tensor([r.max_new for r in requests], device=dev), stop_ids=stop_ids.to(dev),
+        sampling=sampling)
+
+
+def _collect(out_tokens: torch.Tensor, out_logprobs: torch.Tensor, requests: list[Request]):
+    results = []
+    for b, r in enumerate(requests):
+        n = int((out_tokens[b] >= 0).sum())
+        tokens, logprobs = out_tokens[b, :n].tolist(), out_logprobs[b, :n].tolist()
+        reason = "stop" if tokens and tokens[-1] in r.params.stop_token_ids else "length"
+        results.append((tokens, logprobs, reason))
+    return results

@@ -1,0 +1,95 @@
+"""Self-attention over the static KV cache with torch SDPA.
+
+Three modes, chosen by the `ForwardContext` the model runner builds once per forward:
+- no cache (`logits()`): attend over the new k/v only (causal, optionally masked);
+- prefill: right-padded prompts; k/v written to cache rows [0, B) at slots [0, S) with
+  one slice copy, attention is plain `is_causal` over the new k/v (a valid token never
+  sees a pad token with right padding, so no S x S mask is built);
+- decode (S == 1): row b writes its k/v at slot `positions[b]` (an index_put_, no
+  allocation) and attends over slots [0, kv_len) with a `[B, 1, 1, kv_len]` bool mask
+  (True = attend) that hides slots beyond its own position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.rollout.kv_cache import KVCache
+from hybridrl.rollout.layers.linear import LinearMethodBase, QKVLinear, ReplicatedLinear
+from hybridrl.rollout.layers.norm import RMSNorm
+from hybridrl.rollout.layers.rotary import apply_rotary
+from hybridrl.rollout.model_config import ModelConfig
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor
+    """[B, S] long, RoPE positions (== cache slots)."""
+    cos: torch.Tensor
+    """[B, S, 1, D] rope table rows for `positions`."""
+    sin_signed: torch.Tensor
+    kv_cache: KVCache | None = None
+    is_prefill: bool = True
+    attn_mask: torch.Tensor | None = None
+    """None -> causal; prefill without cache: bool [B, 1, S, S]; decode: bool [B, 1, 1, kv_len]."""
+    rows: torch.Tensor | None = None
+    """decode: [B] long cache rows written by this step (arange(B))."""
+    kv_len: int = 0
+    """decode: number of cache slots attended."""
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, method: LinearMethodBase, dtype: torch.dtype,
+                 device: torch.device, prefix: str):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.enable_gqa = cfg.num_heads != cfg.num_kv_heads
+        kw = dict(method=method, dtype=dtype, device=device)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                  bias=cfg.qkv_bias, prefix=f"{prefix}.qkv_proj", **kw)
+        self.o_proj = ReplicatedLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
+                                       prefix=f"{prefix}.o_proj", **kw)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [B, S, hidden] -> [B, S, hidden]."""
+        B, S, _ = x.shape
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(B, S, H + 2 * KVH, D)
+        if self.qk_norm:
+            q = apply_rotary(self.q_norm(qkv[:, :, :H]), ctx.cos, ctx.sin_signed)
+            k = apply_rotary(self.k_norm(qkv[:, :, H:H + KVH]), ctx.cos, ctx.sin_signed)
+        else:  # rotate q and k together: one set of rope ops per layer
+            qk = apply_rotary(qkv[:, :, :H + KVH], ctx.cos, ctx.sin_signed)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        v = qkv[:, :, H + KVH:]
+        q = q.transpose(1, 2)  # (B, H, S, D)
+        if ctx.kv_cache is not None and not ctx.is_prefill:
+            o = self._decode(q, k, v, ctx)
+        else:
+            if ctx.kv_cache is not None:
+                ctx.kv_cache.k[self.layer_idx, :B, :, :S].copy_(k.transpose(1, 2))
+                ctx.kv_cache.v[self.layer_idx, :B, :, :S].copy_(v.transpose(1, 2))
+            o = F.scaled_dot_product_attention(
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=ctx.attn_mask,
+                is_causal=ctx.attn_mask is None, enable_gqa=self.enable_gqa)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q [B, H, 1, D]; k, v [B, 1, KVH, D] -> o [B, H, 1, D]."""
+        B = q.shape[0]
+        k_cache, v_cache = ctx.kv_cache.k[self.layer_idx], ctx.kv_cache.v[self.layer_idx]
+        slots = ctx.positions[:, 0]
+        k_cache[ctx.rows, :, slots] = k[:, 0]  # (B, KVH, D) into slot positions[b] of row b
+        v_cache[ctx.rows, :, slots] = v[:, 0]
+        T = ctx.kv_len
+        return F.scaled_dot_product_attention(
+            q, k_cache[:B, :, :T], v_cache[:B, :, :T], attn_mask=ctx.attn_mask, enable_gqa=self.enable_gqa)

@@ -1,0 +1,170 @@
+"""FP8 (e4m3fn) linear method: weights quantized on arrival, in place, per output
+channel (``block=False``) or in 128×128 tiles (``block=True``).
+
+Tensors registered on the layer, each allocated once in ``create_weights``:
+
+- ``weight [N, K]`` float8_e4m3fn Parameter (``weight_loader`` quantizes into its rows);
+- ``weight_scale`` float32 Parameter, ``[N, 1]`` or ``[ceil(N/128), ceil(K/128)]``;
+- ``weight_dequant [N, K]`` in the engine dtype — a registered ``DerivedCache`` — when
+  ``torch._scaled_mm`` cannot serve the layer (CPU, ROCm, block scales, a non-bf16
+  engine, or N/K not multiples of 16). It is refreshed in place after loading, never deleted and rebuilt.
+
+Two layouts. *Loading layout*: plain e4m3fn values and scales, what ``weight_loader``
+writes. *Inference layout*: what the kernels read. On ROCm (MI300) that is e4m3fnuz:
+the same bits mean half the value, so vLLM reinterprets the weight and doubles the
+scale after loading. This step is exactly the kind that, run twice without being
+undone, doubles the scale on every sync — so here it is an explicit, flagged pair:
+``restore_loading_layout`` (scale /= 2) and ``apply_inference_layout`` (scale *= 2),
+both in place on the same storage, each a no-op if the layer is already in that layout.
+``Refit.begin()`` restores loading layouts; ``Refit.finish()`` re-applies inference
+layouts to every layer and only then refreshes derived caches (each cache refuses to
+refresh while its layer is in loading layout). On CUDA/CPU the inference layout is the
+loading layout (``_scaled_mm`` reads ``weight.t()``, a column-major view); tests force
+the fnuz layout on CPU with ``Fp8LinearMethod(block, fnuz=True)`` or ``FNUZ_DEFAULT``.
+
+Fused layers (qkv, gate_up): each shard is quantized into its own rows. Per-channel
+scales are per row, so shards are independent. With 128×128 blocks, a tile that
+straddled two shards would need both shards' values for its scale; like vLLM we require
+every shard but the last to span whole 128-row tiles and raise at construction otherwise
+(use ``quantization="fp8"`` for such shapes).
+
+Numerics: weight-only dequantization on the cache path (activations stay in the engine
+dtype); on the ``_scaled_mm`` path activations are also quantized per token to e4m3fn.
+Per-element weight error is bounded by ``hybridrl.quant.abs_error_bound``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, block_scale_shape, dequantize_, quantize_
+from hybridrl.rollout.derived import DerivedCache
+from hybridrl.rollout.layers.linear import LinearMethodBase
+
+FNUZ_DEFAULT: bool | None = None  # None: fnuz inference layout exactly when running on ROCm
+FNUZ_SCALE = 2.0  # e4m3fnuz bits encode half the e4m3fn value
+SCALED_MM_MULTIPLE = 16  # _scaled_mm needs both matrix dims divisible by 16
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    def __init__(self, block: bool = False, fnuz: bool | None = None):
+        self.block = block
+        fnuz = FNUZ_DEFAULT if fnuz is None else fnuz
+        self.fnuz = (torch.version.hip is not None) if fnuz is None else fnuz
+
+    # -- storage ---------------------------------------------------------------------
+    def create_weights(self, layer, dtype, device):
+        n, k = layer.output_size, layer.input_size
+        if self.block:
+            bad = [s for s in layer.output_sizes[:-1] if s % BLOCK]
+            if bad:
+                raise ValueError(
+                    f"{layer.prefix}: fp8_block needs every fused shard but the last to be a "
+                    f"multiple of {BLOCK} rows, got shard sizes {layer.output_sizes}; "
+                    "use quantization='fp8' (per-channel) for this model")
+        scale_shape = block_scale_shape(n, k) if self.block else (n, 1)
+        layer.weight = nn.Parameter(torch.zeros(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32, device=device),
+                                          requires_grad=False)
+        layer.weight.weight_loader = lambda p, w, shard_id=None: self.weight_loader(layer, p, w, shard_id)
+        layer.fp8_inference_layout = False  # created in loading layout
+        layer.fp8_method = self
+        layer.weight_dequant_cache = None
+        if not self._scaled_mm_ok(layer, dtype, device):
+            cache = torch.zeros(n, k, dtype=dtype, device=device)
+            layer.weight_dequant_cache = DerivedCache(
+                layer, "weight_dequant", cache,
+                compute=lambda out: self.dequantize_into(layer, out),
+                ready=lambda: layer.fp8_inference_layout)
+
+    def _scaled_mm_ok(self, layer, dtype, device) -> bool:
+        device = torch.device(device)
+        return (device.type == "cuda" and torch.version.hip is None and not self.block
+                and dtype == torch.bfloat16  # rowwise-scaled _scaled_mm outputs bf16
+                and not self.fnuz and layer.output_size % SCALED_MM_MULTIPLE == 0
+                and layer.input_size % SCALED_MM_MULTIPLE == 0)
+
+    # -- loading ---------------------------------------------------------------------
+    def weight_loader(self, layer, param, loaded_weight, shard_id=None):
+        """Quantize one HF tensor ``[rows, K]`` into its rows of ``weight`` and ``weight_scale``."""
+        rows = layer.shard_slice(shard_id)
+        slot = layer.weight.data[rows]
+        if tuple(loaded_weight.shape) != tuple(slot.shape):
+            raise ValueError(
+                f"weight for {layer.prefix} shard {shard_id!r} has shape {tuple(loaded_weight.shape)}, "
+                f"expected {tuple(slot.shape)}; check that the checkpoint matches the engine config")
+        # A plain engine.load_weights on a live engine works too: the loader first puts this
+        # layer back in loading layout; process_weights_after_loading re-applies it.
+        self.restore_loading_layout(layer)
+        quantize_(loaded_weight, slot, self.scale_rows(layer, rows), block=self.block)
+
+    def scale_rows(self, layer, rows: slice) -> torch.Tensor:
+        """The view of ``weight_scale`` that belongs to weight rows ``rows``."""
+        if not self.block:
+            return layer.weight_scale.data[rows]
+        assert rows.start % BLOCK == 0, rows
+        return layer.weight_scale.data[rows.start // BLOCK:-(-rows.stop // BLOCK)]
+
+    def restore_loading_layout(self, layer) -> None:
+        """Inference -> loading layout, in place (no-op if already in loading layout)."""
+        if not layer.fp8_inference_layout:
+            return
+        if self.fnuz:
+            layer.weight_scale.data.div_(FNUZ_SCALE)
+        layer.fp8_inference_layout = False
+
+    def apply_inference_layout(self, layer) -> None:
+        """Loading -> inference layout, in place (no-op if already in inference layout)."""
+        if layer.fp8_inference_layout:
+            return
+        if self.fnuz:
+            bits = layer.weight.data.view(torch.int8)
+            bits.masked_fill_(bits == -128, 0)  # e4m3fn -0 is NaN in e4m3fnuz
+            layer.weight_scale.data.mul_(FNUZ_SCALE)
+        layer.fp8_inference_layout = True
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Plain-load path: inference layout, then this layer's derived cache."""
+        self.apply_inference_layout(layer)
+        if layer.weight_dequant_cache is not None:
+            layer.weight_dequant_cache.refresh()
+
+    # -- reading ---------------------------------------------------------------------
+    def inference_weight(self, layer) -> torch.Tensor:
+        """``weight`` as the kernels read it (an e4m3fnuz view of the same storage on fnuz)."""
+        return layer.weight.view(torch.float8_e4m3fnuz) if self.fnuz else layer.weight
+
+    def dequantize_into(self, layer, out: torch.Tensor) -> None:
+        """``out [N, K] = weight * scale`` read in inference layout (the derived cache)."""
+        assert layer.fp8_inference_layout, "dequantize_into reads the inference layout"
+        dequantize_(self.inference_weight(layer), layer.weight_scale, out)
+
+    def dequantize_rows(self, layer, rows: slice) -> torch.Tensor:
+        """Float32 dequantization of weight rows ``rows`` in either layout (for verification)."""
+        w = layer.weight.data[rows]
+        scale = layer.weight_scale.data
+        if layer.fp8_inference_layout and self.fnuz:
+            w = w.view(torch.float8_e4m3fnuz)  # scale is doubled in this layout too
+        out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        if self.block:
+            dequantize_(w, scale[rows.start // BLOCK:-(-rows.stop // BLOCK)], out)
+        else:
+            dequantize_(w, scale[rows], out)
+        return out
+
+    def apply(self, layer, x):
+        if layer.weight_dequant_cache is not None:
+            return F.linear(x, layer.weight_dequant, layer.bias)
+        return _scaled_mm_linear(x, layer.weight, layer.weight_scale, layer.bias)
+
+
+def _scaled_mm_linear(x, weight, weight_scale, bias):
+    """CUDA: per-token e4m3fn activations × per-channel e4m3fn weight via ``_scaled_mm``."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # (M, K)
+    x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12).div_(FP8_MAX)  # (M, 1)
+    x_fp8 = (x2.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                         bias=bias, out_dtype=x.dtype)  # (M, N)
+    return y.reshape(*shape[:-1], weight.shape[0])

@@ -1,0 +1,37 @@
+"""RMSNorm with an optional fused residual add (the common pre-norm decoder pattern)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps) over the last dim; computed in float32 like HF."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = _copy_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # HF: normalize in float32, cast back, then scale by the weight in the model dtype.
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return self.weight * y
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+def _copy_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    assert shard_id is None
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"norm weight has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}; "
+                         f"check that the checkpoint matches the engine config")
+    param.data.copy_(loaded)

@@ -1,0 +1,75 @@
+"""Batched sampling with log-probs, no host syncs, noise independent of the batch.
+
+Randomness: each row draws one uniform per step, `u[b, step]`, precomputed from the
+row's own seed (`torch.Generator(seed)`), and samples by inverting the CDF of its
+(truncated) distribution. A row's sample therefore depends only on (seed, step, its
+logits), never on which other requests share the batch.
+
+Log-probs follow docs/interfaces.md: log_softmax(logits / T) over the full vocabulary,
+*before* top-k / top-p truncation; greedy rows (T = 0) report log_softmax(logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row settings for one batch, on the engine device."""
+
+    temperature: torch.Tensor
+    """[B, 1] float32; 0 = greedy."""
+    top_k: torch.Tensor
+    """[B, 1] long; vocab_size when off."""
+    top_p: torch.Tensor
+    """[B, 1] float32."""
+    uniforms: torch.Tensor
+    """[B, steps] float64 in [0, 1)."""
+    all_greedy: bool
+    use_top_k_top_p: bool
+
+    def select(self, rows: torch.Tensor) -> "SamplingTensors":
+        return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.uniforms[rows],
+                               self.all_greedy, self.use_top_k_top_p)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (tokens [B] long, logprobs [B] float32)."""
+    if st.all_greedy:
+        tokens = logits.argmax(dim=-1)
+        return tokens, _gather(torch.log_softmax(logits, dim=-1), tokens)
+    greedy = st.temperature == 0
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, st.temperature), dim=-1)  # (B, V)
+    if st.use_top_k_top_p:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        probs = _truncate(sorted_logp.exp(), st.top_k, st.top_p)
+    else:
+        probs, order = logp.exp(), None
+    cdf = probs.double().cumsum(dim=-1)  # float64: the tail of a 100k vocab stays resolvable
+    target = st.uniforms[:, step:step + 1] * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
+    tokens = (pick if order is None else order.gather(-1, pick)).squeeze(-1)
+    tokens = torch.where(greedy.squeeze(-1), logits.argmax(dim=-1), tokens)
+    return tokens, _gather(logp, tokens)
+
+
+def _truncate(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero out (in descending order) ranks >= top_k, then tokens whose preceding mass
+    (renormalized after top-k, as HF's warpers do) already reaches top_p."""
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    probs = sorted_probs.masked_fill(ranks >= top_k, 0.0)
+    before = probs.cumsum(dim=-1) - probs
+    return probs.masked_fill(before >= top_p * probs.sum(dim=-1, keepdim=True), 0.0)
+
+
+def _gather(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def make_uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Tensor:
+    """[B, steps] float64; row b is a function of seeds[b] alone (one generator per row)."""
+    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+    return torch.stack(rows).to(device)

@@ -1,0 +1,90 @@
+"""Device work for the rollout engine: prefill, decode steps, full-sequence logits.
+
+Owns the model, the static KV cache and (on CUDA) the CUDA-graph runner. Knows
+nothing about requests or sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.rollout.cuda_graph import CudaGraphRunner
+from hybridrl.rollout.kv_cache import KVCache
+from hybridrl.rollout.layers.attention import ForwardContext
+from hybridrl.rollout.models.decoder import DecoderForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.model, self.device = model, device
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.kv_cache = KVCache(model.config, max_batch_size, max_seq_len, dtype, device)
+        self.rows = torch.arange(max_batch_size, device=device)  # decode cache rows, static
+        self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:
+        self.graphs = CudaGraphRunner(self, batch_sizes)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts input_ids [B, S], lengths [B] -> next-token logits [B, V] float32.
+
+        Writes the prompts' k/v into cache rows [0, B), slots [0, S).
+        """
+        B, S = input_ids.shape
+        positions = self.slot_ids[:S].expand(B, S)
+        cos, sin = self.model.model.rotary_emb.tables(positions)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True)
+        hidden = self.model(input_ids, ctx)
+        last = hidden[self.rows[:B], lengths - 1]  # (B, hidden)
+        return self.model.compute_logits(last).float()
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """tokens [B] at positions [B] (cache rows [0, B)) -> logits [B, V] float32.
+
+        kv_len bounds the slots attended in eager mode; graphs attend over max_seq_len.
+        """
+        if self.graphs is not None and self.graphs.can_run(tokens.shape[0]):
+            return self.graphs.replay(tokens, positions)
+        with torch.inference_mode():
+            return self.decode_eager(tokens, positions, kv_len)
+
+    def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """The decode step itself; also what the CUDA graphs capture (with kv_len = max_seq_len)."""
+        B = tokens.shape[0]
+        pos = positions.view(B, 1)
+        cos, sin = self.model.model.rotary_emb.tables(pos)
+        mask = (self.slot_ids[:kv_len].view(1, kv_len) <= pos).view(B, 1, 1, kv_len)
+        ctx = ForwardContext(pos, cos, sin, kv_cache=self.kv_cache, is_prefill=False, attn_mask=mask,
+                             rows=self.rows[:B], kv_len=kv_len)
+        hidden = self.model(tokens.view(B, 1), ctx)
+        return self.model.compute_logits(hidden[:, 0]).float()
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits [B, S, V] float32, no KV cache involved.
+
+        Right padding (or no padding) runs as plain causal attention; any other mask is
+        honoured with positions = cumsum(mask) - 1 and a bool [B, 1, S, S] mask.
+        """
+        B, S = input_ids.shape
+        mask = attention_mask.to(torch.bool)
+        right_padded = bool((mask.long().cumsum(-1) == torch.arange(1, S + 1, device=mask.device)).eq(mask).all())
+        if right_padded:
+            positions, attn_mask = self.slot_ids[:S].expand(B, S), None
+        else:
+            positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+            causal = torch.ones(S, S, dtype=torch.bool, device=mask.device).tril_()
+            attn_mask = (causal & mask[:, None, None, :]) | torch.eye(S, dtype=torch.bool, device=mask.device)
+        cos, sin = self.model.model.rotary_emb.tables(positions)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=None, attn_mask=attn_mask)
+        return self.model.compute_logits(self.model(input_ids, ctx)).float()
+
+    def named_state_tensors(self):
+        yield from self.kv_cache.named_tensors()
+        yield "runner.rows", self.rows
+        yield "runner.slot_ids", self.slot_ids
+        if self.graphs is not None:
+            yield from self.graphs.named_tensors()

@@ -1,0 +1,119 @@
+"""Llama / Qwen2 / Qwen3 decoder in the inference layout (fused qkv_proj, gate_up_proj).
+
+Composition only: the layers own their weights and loaders. Module names mirror the
+Hugging Face ones so that an HF name maps to ours by `packed_modules_mapping` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.rollout.layers.attention import Attention, ForwardContext
+from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
+from hybridrl.rollout.layers.linear import LinearBase, LinearMethodBase, MergedColumnLinear, ReplicatedLinear
+from hybridrl.rollout.layers.norm import RMSNorm
+from hybridrl.rollout.layers.rotary import RotaryEmbedding
+from hybridrl.rollout.model_config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, dtype, device, prefix: str):
+        super().__init__()
+        kw = dict(bias=cfg.mlp_bias, method=method, dtype=dtype, device=device)
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                               prefix=f"{prefix}.gate_up_proj", **kw)
+        self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size,
+                                          prefix=f"{prefix}.down_proj", **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethodBase, dtype, device, prefix: str):
+        super().__init__()
+        self.self_attn = Attention(cfg, idx, method, dtype, device, f"{prefix}.self_attn")
+        self.mlp = MLP(cfg, method, dtype, device, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        """Returns (mlp output, residual stream before it); the next layer adds them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, method, dtype, device, f"model.layers.{i}") for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, max_seq_len, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [B, S] -> final hidden states [B, S, hidden]."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
+        x, _ = self.norm.add_forward(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    """HF q/k/v and gate/up names -> (fused module, shard id)."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, method, max_seq_len, dtype, device)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] in the model dtype."""
+        return self.lm_head(hidden)
+
+    def resolve(self, hf_name: str) -> tuple[str, str | int | None]:
+        """HF parameter name -> (our parameter name, shard id)."""
+        for hf_part, (fused, shard_id) in self.packed_modules_mapping.items():
+            if f".{hf_part}." in hf_name:
+                return hf_name.replace(f".{hf_part}.", f".{fused}."), shard_id
+        return hf_name, None
+
+    def hf_weight_names(self) -> Iterable[str]:
+        """Every HF name a full load writes (lm_head.weight omitted when tied)."""
+        for name, param in self.named_parameters():
+            module_name, leaf = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if isinstance(module, LinearBase) and leaf not in ("weight", "bias"):
+                continue  # a linear method's own tensor (e.g. an FP8 scale), not an HF name
+            if isinstance(module, LinearBase) and module.shard_names != (None,):
+                fused = name.split(".")[-2]
+                for hf_part, (target, _) in self.packed_modules_mapping.items():
+                    if target == fused:
+                        yield name.replace(f".{fused}.", f".{hf_part}.")
+            else:
+                yield name

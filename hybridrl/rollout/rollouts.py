@@ -1,0 +1,52 @@
+"""Rollouts: what `RolloutEngine.generate` returns, laid out for the trainer.
+
+Row b of the padded tensors is `prompt_b + response_b`, right-padded to the longest row
+L. `logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t])` where
+`response_mask[b, t] == 1`, 0.0 elsewhere (docs/interfaces.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Rollouts:
+    prompt_token_ids: list[list[int]]
+    response_token_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    """"stop" (emitted a stop token) or "length" (hit max_tokens / max_seq_len)."""
+    input_ids: torch.Tensor
+    """[B, L] long, prompt + response, right-padded with pad_token_id."""
+    attention_mask: torch.Tensor
+    """[B, L] long 0/1."""
+    response_mask: torch.Tensor
+    """[B, L] float32 0/1, 1 on response tokens."""
+    logprobs: torch.Tensor
+    """[B, L] float32, sampling log-probs on response tokens, 0 elsewhere."""
+    prompt_lengths: list[int]
+    weight_version: int
+
+
+def build_rollouts(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
+                   finish_reasons: list[str], weight_version: int, pad_token_id: int = 0) -> Rollouts:
+    """Pad the per-row lists into trainer tensors (on CPU)."""
+    B = len(prompts)
+    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    response_mask = torch.zeros(B, L, dtype=torch.float32)
+    lp = torch.zeros(B, L, dtype=torch.float32)
+    for b, (p, r, r_lp) in enumerate(zip(prompts, responses, logprobs)):
+        P, R = len(p), len(r)
+        input_ids[b, :P + R] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[b, :P + R] = 1
+        response_mask[b, P:P + R] = 1.0
+        lp[b, P:P + R] = torch.tensor(r_lp, dtype=torch.float32)
+    return Rollouts(prompt_token_ids=[list(p) for p in prompts], response_token_ids=responses,
+                    response_logprobs=logprobs, finish_reasons=finish_reasons, input_ids=input_ids,
+                    attention_mask=attention_mask, response_mask=response_mask, logprobs=lp,
+                    prompt_lengths=[len(p) for p in prompts], weight_version=weight_version)

@@ -1,0 +1,250 @@
+"""The trainer's log-prob / entropy forward: padding-free backbone, response-only,
+vocabulary-chunked lm_head.
+
+Three memory sinks of the textbook ``model(input_ids, attention_mask).logits`` forward
+are removed here:
+
+1. **Padding.** Rows are packed (no pad tokens computed) and attention runs per sequence
+   without an S×S mask (``attn_backend``, see :func:`compute_logprobs_entropy`).
+2. **Prompt logits.** The lm_head runs only at the positions that predict response
+   tokens (hidden state at t-1 predicts token t).
+3. **Full ``[tokens, vocab]`` float32 logits.** :class:`_ChunkedLogprobEntropy` computes
+   logits ``chunk`` tokens at a time and keeps only per-token log-sum-exp and entropy; its
+   backward recomputes each chunk's logits, so neither pass holds more than one chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from hybridrl.attention.hf_varlen import varlen_attention_for
+from hybridrl.attention.packing import make_microbatches, unpad, unpad_indices
+from hybridrl.attention.varlen import flash_attn_usable
+
+ATTN_BACKENDS = ("auto", "varlen", "block_diagonal", "bucketed")
+# Measured on CPU (benchmarks/packing.py, lengths U[16, 512]): one packed row with the
+# per-sequence SDPA loop ("varlen") beat length-bucketed micro-batches and the
+# block-diagonal mask (the latter pays T² attention; bucketing still computes pads).
+CPU_BACKEND = "varlen"
+DEFAULT_BUCKET_TOKENS = 8192
+
+
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    """``log_softmax(h @ W.T + b) / T)[target]`` and its entropy, ``chunk`` rows at a time.
+
+    hidden ``[N, D]`` (model dtype), weight ``[V, D]``, bias ``[V]`` or None, targets
+    ``[N]`` long -> logprobs ``[N]`` float32, entropy ``[N]`` float32.
+    """
+
+    @staticmethod
+    def _logq(hidden, weight, bias, temperature):
+        # Logits in the model dtype (as the lm_head would), softmax math in float32.
+        z = F.linear(hidden, weight, bias)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))  # (n, V); float64 stays (tests)
+        if temperature != 1.0:
+            z.div_(temperature)
+        lse = torch.logsumexp(z, dim=-1)  # (n,)
+        return z.sub_(lse.unsqueeze(1))  # log q, in place  (n, V)
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+        n_tokens = hidden.shape[0]
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logp = torch.empty(n_tokens, dtype=acc_dtype, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        for s in range(0, n_tokens, chunk):
+            logq = _ChunkedLogprobEntropy._logq(hidden[s : s + chunk], weight, bias, temperature)
+            logp[s : s + chunk] = logq.gather(1, targets[s : s + chunk, None]).squeeze(1)
+            probs = logq.exp()  # (n, V)
+            entropy[s : s + chunk] = -(probs.unsqueeze(1) @ logq.unsqueeze(2)).view(-1)  # no (n, V) product
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(entropy)
+        if grad_entropy is None:
+            grad_entropy = torch.zeros_like(entropy)
+        want_w = ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # accumulate low-precision grads in fp32
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s : s + ctx.chunk]
+            g_lp = grad_logp[s : s + ctx.chunk, None]  # (n, 1)
+            g_h = grad_entropy[s : s + ctx.chunk, None]
+            logq = _ChunkedLogprobEntropy._logq(h, weight, bias, ctx.temperature)  # (n, V)
+            probs = logq.exp()
+            # d logp / dz = onehot - p;  d H / dz = -p * (log q + H).  In place on logq, probs.
+            logq.add_(entropy[s : s + ctx.chunk, None]).mul_(g_h).add_(g_lp)
+            grad_z = probs.mul_(logq).neg_()
+            grad_z.scatter_add_(1, targets[s : s + ctx.chunk, None], g_lp)
+            if ctx.temperature != 1.0:
+                grad_z.div_(ctx.temperature)  # z = logits / T
+            if grad_hidden is not None:
+                grad_hidden[s : s + ctx.chunk] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
+            if want_w:
+                grad_weight.addmm_(grad_z.t(), h.to(acc))
+            if want_b:
+                grad_bias += grad_z.sum(0)
+        grad_weight = grad_weight.to(weight.dtype) if want_w else None
+        grad_bias = grad_bias.to(bias.dtype) if want_b else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def chunked_logprobs_entropy(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Linear,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of ``targets`` and entropy under ``lm_head(hidden) / temperature``.
+
+    hidden ``[N, D]``, targets ``[N]`` long -> (``[N]`` float32, ``[N]`` float32); peak extra
+    memory about ``3 * chunk_tokens * V * 4`` bytes in forward and backward.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"vocab_chunk_tokens must be > 0, got {chunk_tokens}.")
+    temperature = 1.0 if temperature == 0 else float(temperature)  # greedy reports log_softmax(logits)
+    return _ChunkedLogprobEntropy.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, chunk_tokens)
+
+
+def _backbone(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, model.base_model_prefix)
+
+
+def _packed_hidden(model, ids_g, mask_g, backend) -> torch.Tensor:
+    """Hidden states ``[T_g, D]`` of one micro-batch's real tokens, in unpad order."""
+    u = unpad_indices(mask_g)
+    ids = unpad(ids_g, u)  # (T_g,)
+    backbone = _backbone(model)
+    if backend == "bucketed":
+        # Re-pad right-aligned to this group's longest row: right padding + is_causal is
+        # exact for real tokens (they never see a later pad), so no mask at all.
+        lengths = u.cu_seqlens.diff().long()
+        row = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
+        flat = row * u.max_seqlen + u.position_ids  # (T_g,) into (n, L_g)
+        dense = ids.new_zeros(len(lengths) * u.max_seqlen).index_put_((flat,), ids)
+        dense = dense.view(len(lengths), u.max_seqlen)  # (n, L_g)
+        hidden = backbone(input_ids=dense, use_cache=False).last_hidden_state  # (n, L_g, D)
+        return hidden.flatten(0, 1)[flat]  # (T_g, D)
+    kwargs = {}
+    if backend == "varlen":
+        kwargs = dict(
+            cu_seq_lens_q=u.cu_seqlens, cu_seq_lens_k=u.cu_seqlens, max_length_q=u.max_seqlen, max_length_k=u.max_seqlen
+        )
+    # block_diagonal: transformers sees restarting position_ids with no 2D mask and builds
+    # a [1, 1, T, T] block-diagonal causal mask itself.
+    out = backbone(input_ids=ids[None], position_ids=u.position_ids[None], use_cache=False, **kwargs)
+    return out.last_hidden_state[0]  # (T_g, D)
+
+
+def _resolve_backend(attn_backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    if attn_backend not in ATTN_BACKENDS:
+        raise ValueError(f"compute_logprobs_entropy: attn_backend must be one of {ATTN_BACKENDS}, got {attn_backend!r}.")
+    if attn_backend != "auto":
+        return attn_backend
+    if device.type == "cuda" and flash_attn_usable(torch.empty(0, device=device, dtype=dtype)):
+        return "varlen"
+    return CPU_BACKEND if device.type == "cpu" else "bucketed"
+
+
+def compute_logprobs_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    packed: bool = True,
+    vocab_chunk_tokens: int = 1024,
+    compute_entropy: bool = True,
+    max_tokens_per_microbatch: int | None = None,
+    attn_backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of the response tokens under ``model``.
+
+    Args:
+        model: a ``transformers`` causal LM (Qwen2 / Llama / Qwen3 family).
+        input_ids: ``[B, L]`` long, prompt + response, right-padded (any padding works).
+        attention_mask: ``[B, L]`` 0/1.
+        response_mask: ``[B, L]`` 0/1, the positions to score (position 0 cannot be).
+        temperature: logits are divided by it; 0 means greedy, scored at 1.
+        packed: False runs the plain padded forward (the reference).
+        vocab_chunk_tokens: tokens per lm_head chunk (bounds ``[chunk, V]`` float32).
+        compute_entropy: False returns zeros for entropy (computed anyway, it is cheap
+            next to the logits; kept for the contract).
+        max_tokens_per_microbatch: token budget per backbone call (length-sorted, see
+            ``make_microbatches``); None = all rows in one call (bucketed: 8192).
+        attn_backend: ``"varlen"`` (one packed row, flash-attn varlen or per-sequence SDPA),
+            ``"block_diagonal"`` (one packed row, transformers' T×T mask), ``"bucketed"``
+            (length-sorted padded micro-batches, is_causal, no mask) or ``"auto"``
+            (varlen on CPU and with flash-attn on CUDA, else bucketed).
+    Returns:
+        ``(logprobs, entropy)``, both ``[B, L]`` float32; ``logprobs[b, t] = log
+        softmax(logits[b, t-1] / T)[input_ids[b, t]]`` where ``response_mask[b, t]``,
+        0 elsewhere; entropy of that same distribution. Differentiable under grad.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
+        raise ValueError(
+            "compute_logprobs_entropy: input_ids, attention_mask and response_mask must share shape [B, L], got "
+            f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(response_mask.shape)}."
+        )
+    lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        raise ValueError(f"compute_logprobs_entropy: {type(model).__name__} has no output embeddings (lm_head).")
+    batch, seq = input_ids.shape
+    scored = (response_mask != 0) & (attention_mask != 0)
+    scored[:, 0] = False  # nothing predicts the first token
+    target_flat = scored.flatten().nonzero().squeeze(1)  # (N,) into (B*L)
+    source_flat = target_flat - 1  # hidden state at t-1 predicts token t
+
+    if not packed:
+        hidden = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden_all = hidden.last_hidden_state.flatten(0, 1)  # (B*L, D)
+        lookup = torch.arange(batch * seq, device=input_ids.device)
+    else:
+        backend = _resolve_backend(attn_backend, input_ids.device, lm_head.weight.dtype)
+        hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend, max_tokens_per_microbatch)
+
+    hidden_src = hidden_all[lookup[source_flat]]  # (N, D)
+    logp, ent = chunked_logprobs_entropy(
+        hidden_src, lm_head, input_ids.flatten()[target_flat], temperature=temperature, chunk_tokens=vocab_chunk_tokens
+    )
+    zeros = torch.zeros(batch * seq, dtype=torch.float32, device=input_ids.device)
+    logprobs = zeros.index_put((target_flat,), logp).view(batch, seq)
+    entropy = zeros.index_put((target_flat,), ent).view(batch, seq) if compute_entropy else zeros.view(batch, seq)
+    return logprobs, entropy
+
+
+def _packed_forward(model, input_ids, attention_mask, backend, max_tokens):
+    """Hidden states of all real tokens ``[T, D]`` and ``lookup [B*L]`` (flat -> row of it)."""
+    batch, seq = input_ids.shape
+    lengths = (attention_mask != 0).sum(dim=1)
+    if max_tokens is None:
+        max_tokens = DEFAULT_BUCKET_TOKENS if backend == "bucketed" else int(lengths.sum()) * seq + 1
+    groups = make_microbatches(lengths, max(max_tokens, int(lengths.max())))
+    lookup = torch.full((batch * seq,), -1, dtype=torch.long, device=input_ids.device)
+    pieces, offset = [], 0
+    with varlen_attention_for(model) if backend == "varlen" else contextlib.nullcontext():
+        for rows in groups:
+            rows_t = torch.tensor(rows, device=input_ids.device)
+            mask_g = attention_mask[rows_t]
+            hidden = _packed_hidden(model, input_ids[rows_t], mask_g, backend)  # (T_g, D)
+            flat_g = unpad_indices(mask_g).indices  # (T_g,) into (n, L)
+            flat = rows_t[flat_g // seq] * seq + flat_g % seq  # into (B, L)
+            lookup[flat] = torch.arange(offset, offset + hidden.shape[0], device=input_ids.device)
+            pieces.append(hidden)
+            offset += hidden.shape[0]
+    return torch.cat(pieces), lookup
+

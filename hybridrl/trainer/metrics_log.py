@@ -1,0 +1,69 @@
+"""Metrics sinks: ``metrics.jsonl`` (one line per step), TensorBoard, and ``curves.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+        self.run_dir = run_dir
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.rows: list[dict[str, Any]] = []
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # pragma: no cover - tensorboard is a base dependency
+                raise ImportError("TensorBoard logging needs `pip install tensorboard` "
+                                  "(or set logging.tensorboard=false)") from e
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.rows.append(row)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def plot_curves(rows: list[dict[str, Any]], path: Path, *, warm_start_accuracy: float | None = None) -> None:
+    """Reward mean and held-out accuracy vs RL step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    ax.plot(steps, [r["reward/mean"] for r in rows if "reward/mean" in r], label="train reward (mean)", alpha=0.8)
+    ev = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    if ev:
+        ax.plot([s for s, _ in ev], [a for _, a in ev], "o-", label="held-out accuracy (greedy)")
+    if warm_start_accuracy is not None:
+        ax.axhline(warm_start_accuracy, ls="--", c="gray", label="after warm start")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("hybridrl: reward and accuracy")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,42 @@
+"""Supervised warm start: cross-entropy on answer tokens so RL starts from a non-trivial policy."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def sft_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int):
+    """Right-padded ``(input_ids [B, L], attention_mask [B, L], labels [B, L])``.
+
+    Labels are ``-100`` on prompt and pad positions so only the answer (+ eos) is learned.
+    """
+    rows = [p + a for p, a in zip(prompts, answers)]
+    L = max(map(len, rows))
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), L), dtype=torch.long)
+    labels = torch.full((len(rows), L), -100, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        labels[i, len(p): len(r)] = torch.tensor(r[len(p):])
+    return ids, mask, labels
+
+
+def sft_step(model, optimizer, ids, mask, labels, grad_clip: float) -> tuple[float, float]:
+    """One supervised step; returns ``(loss, grad_norm)``."""
+    out = model(input_ids=ids, attention_mask=mask)
+    logits = out.logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.item(), gn.item()
+
+
+def sample_sft_batch(rng: random.Random, prompts: list[list[int]], answers: list[list[int]], k: int):
+    idx = [rng.randrange(len(prompts)) for _ in range(k)]
+    return [prompts[i] for i in idx], [answers[i] for i in idx]

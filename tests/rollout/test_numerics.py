@@ -1,0 +1,129 @@
+"""Engine vs transformers: logits (prefill, decode, padded), greedy generation, log-probs."""
+
+import pytest
+import torch
+
+from hybridrl.rollout import RolloutEngine, SamplingParams
+from tests.rollout.conftest import VOCAB, make_config, make_hf_model
+
+
+def _engine(cfg, hf, **kw):
+    engine = RolloutEngine(cfg, max_batch_size=kw.pop("max_batch_size", 4), max_seq_len=64, **kw)
+    engine.load_weights(hf.named_parameters())
+    return engine
+
+
+def _close(ours, ref):
+    ref = ref.to(torch.float32)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_prefill_logits_match_transformers(family):
+    cfg = make_config(family)
+    hf = make_hf_model(cfg)
+    engine = _engine(cfg, hf)
+    ref_model = make_hf_model(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, 13), generator=g)
+    for mask_kind in ("right", "left"):
+        mask = torch.ones_like(ids)
+        if mask_kind == "right":
+            mask[1, 9:] = 0
+        else:
+            mask[2, :4] = 0
+        with torch.no_grad():
+            ref = ref_model(input_ids=ids, attention_mask=mask).logits
+        ours = engine.logits(ids, mask)
+        assert ours.dtype == torch.float32 and ours.shape == (3, 13, VOCAB)
+        valid = mask.bool()
+        _close(ours[valid], ref[valid])
+
+
+def test_decode_logits_match_transformers(family):
+    """Prefill prompts of different lengths, then decode fixed tokens step by step."""
+    cfg = make_config(family)
+    engine = _engine(cfg, make_hf_model(cfg))
+    ref_model = make_hf_model(cfg).double()
+    g = torch.Generator().manual_seed(2)
+    lengths = [5, 11, 8]
+    full = torch.randint(0, VOCAB, (3, 11 + 6), generator=g)  # prompt then 6 decoded tokens
+    prompts = torch.zeros(3, 11, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        prompts[b, :n] = full[b, :n]
+    lens = torch.tensor(lengths)
+    with torch.no_grad():
+        ref_rows = [ref_model(full[b:b + 1, :n + 6]).logits[0] for b, n in enumerate(lengths)]
+    logits = engine.runner.prefill(prompts, lens)
+    for step in range(6):
+        ref = torch.stack([ref_rows[b][n + step - 1] for b, n in enumerate(lengths)])
+        _close(logits, ref)
+        tokens = full[torch.arange(3), lens + step]
+        logits = engine.runner.decode(tokens, lens + step, int(lens.max()) + step + 1)
+
+
+def test_greedy_matches_transformers_generate(family):
+    cfg = make_config(family)
+    hf = make_hf_model(cfg)
+    engine = _engine(cfg, hf)
+    prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32, 79]]
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    for prompt, response, reason in zip(prompts, out.response_token_ids, out.finish_reasons):
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0,
+                          eos_token_id=None)
+        assert response == ref[0, len(prompt):].tolist()
+        assert reason == "length"
+    assert len(set(tuple(r) for r in out.response_token_ids)) == 3  # not degenerate
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_match_trainer_recomputation(temperature):
+    cfg = make_config("qwen3")
+    hf = make_hf_model(cfg)
+    engine = _engine(cfg, hf)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12]]
+    params = SamplingParams(temperature=temperature, max_tokens=10, seed=7, top_k=20, top_p=0.9)
+    out = engine.generate(prompts, params)
+    with torch.no_grad():
+        logits = hf(input_ids=out.input_ids, attention_mask=out.attention_mask).logits.double()
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits[:, :-1] / t, dim=-1).gather(-1, out.input_ids[:, 1:, None])[..., 0]
+    expected = torch.zeros_like(out.logprobs, dtype=torch.float64)
+    expected[:, 1:] = logp
+    expected = expected * out.response_mask
+    torch.testing.assert_close(out.logprobs.double(), expected, rtol=0, atol=2e-4)
+    for b, p in enumerate(prompts):  # alignment per docs/interfaces.md
+        n = len(out.response_token_ids[b])
+        assert out.input_ids[b, :len(p)].tolist() == p
+        assert out.input_ids[b, len(p):len(p) + n].tolist() == out.response_token_ids[b]
+        assert out.response_mask[b].sum() == n and out.attention_mask[b].sum() == len(p) + n
+        torch.testing.assert_close(out.logprobs[b, len(p):len(p) + n], torch.tensor(out.response_logprobs[b]))
+
+
+def test_stop_tokens_and_finish_reasons():
+    cfg = make_config("llama")
+    engine = _engine(cfg, make_hf_model(cfg))
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    stop = greedy.response_token_ids[0][4]  # force row 0 to stop at its 5th token (or earlier)
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,)))
+    first = greedy.response_token_ids[0].index(stop)
+    assert out.response_token_ids[0] == greedy.response_token_ids[0][:first + 1]
+    assert out.finish_reasons[0] == "stop"
+    row1 = greedy.response_token_ids[1]
+    expect1 = row1[:row1.index(stop) + 1] if stop in row1 else row1
+    assert out.response_token_ids[1] == expect1
+    assert out.finish_reasons[1] == ("stop" if stop in row1 else "length")
+
+
+def test_bf16_close_to_float32():
+    cfg = make_config("qwen2")
+    hf = make_hf_model(cfg)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ref = _engine(cfg, hf).logits(ids, mask)
+    ours = _engine(cfg, hf, dtype=torch.bfloat16).logits(ids, mask)
+    assert ours.dtype == torch.float32
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+    out = _engine(cfg, hf, dtype=torch.bfloat16).generate([[1, 2, 3]], SamplingParams(max_tokens=5, seed=0))
+    assert len(out.response_token_ids[0]) == 5
