@@ -62,7 +62,7 @@ def render_prompt(tokenizer, prompt: Any) -> list[int] | None:
             raise ValueError("chat-message prompts need a tokenizer with a chat_template; "
                              "add one to the checkpoint's tokenizer_config.json or use text prompts")
         out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # BatchEncoding in transformers 5
     return None
 
 

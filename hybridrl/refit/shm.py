@@ -61,7 +61,7 @@ def send_refit(channel: ShmChannel, named_tensors: Iterable[tuple[str, torch.Ten
     _call(channel.conn, ("begin", [n for n, _ in named]))
     packer = BucketPacker(channel.buffer.numel(), buffer=channel.buffer)
     for payload, metas in packer.pack_meta(named):
-        if payload is channel.buffer:
+        if payload is packer.buffer:
             _call(channel.conn, ("bucket", metas))
         else:  # larger than the bucket: its own shared tensor, alone
             t = payload.clone().share_memory_() if payload.device.type == "cpu" else payload

@@ -48,3 +48,13 @@ FAMILIES = ["llama", "llama_linear", "qwen2", "qwen3"]
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one intra-op thread is faster, and avoids the OpenMP
+    barrier stalls that make multi-threaded tiny matmuls ~50x slower on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

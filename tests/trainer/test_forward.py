@@ -44,7 +44,7 @@ def reference(model, ids, mask, response, temperature):
 
 
 @pytest.mark.parametrize("backend", ["varlen", "bucketed", "block_diagonal"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_packed_equals_padded_with_grads(model, backend, seed, monkeypatch):
     monkeypatch.setattr(varlen, "USE_FLASH_ATTN", False)
     ids, mask, response = batch(seed)
