@@ -96,6 +96,7 @@ def _initial_state(requests, lengths, steps, vocab_size, dev) -> BatchState:
         uniforms=torch.empty(B, 0, device=dev) if all_greedy else make_uniforms([r.seed for r in requests], steps, dev),
         all_greedy=all_greedy,
         use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
+        any_greedy=any(p.temperature == 0 for p in ps),
     )
     return BatchState(
         row_map=torch.arange(B, device=dev), tokens=torch.zeros(B, dtype=torch.long, device=dev),

@@ -25,10 +25,12 @@ from hybridrl.attention.packing import make_microbatches, unpad, unpad_indices
 from hybridrl.attention.varlen import flash_attn_usable
 
 ATTN_BACKENDS = ("auto", "varlen", "block_diagonal", "bucketed")
-# Measured on CPU (benchmarks/packing.py, lengths U[16, 512]): one packed row with the
-# per-sequence SDPA loop ("varlen") beat length-bucketed micro-batches and the
-# block-diagonal mask (the latter pays T² attention; bucketing still computes pads).
-CPU_BACKEND = "varlen"
+# CPU choice, measured: for long rows (benchmarks/packing.py, lengths U[16, 512]) one
+# packed row with the per-sequence SDPA loop ("varlen") beat length-bucketed micro-batches
+# and the block-diagonal mask (which pays T² attention). For many short rows (the RL
+# default: 256 rows of ~12 tokens) the per-sequence Python loop costs 10-30x more than
+# the attention itself, and length-sorted padded buckets (is_causal, no mask) win.
+CPU_VARLEN_MIN_MEAN_LEN = 128
 DEFAULT_BUCKET_TOKENS = 8192
 
 
@@ -149,14 +151,16 @@ def _packed_hidden(model, ids_g, mask_g, backend) -> torch.Tensor:
     return out.last_hidden_state[0]  # (T_g, D)
 
 
-def _resolve_backend(attn_backend: str, device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_backend(attn_backend: str, device: torch.device, dtype: torch.dtype, mean_len: float) -> str:
     if attn_backend not in ATTN_BACKENDS:
         raise ValueError(f"compute_logprobs_entropy: attn_backend must be one of {ATTN_BACKENDS}, got {attn_backend!r}.")
     if attn_backend != "auto":
         return attn_backend
     if device.type == "cuda" and flash_attn_usable(torch.empty(0, device=device, dtype=dtype)):
         return "varlen"
-    return CPU_BACKEND if device.type == "cpu" else "bucketed"
+    if device.type == "cpu" and mean_len >= CPU_VARLEN_MIN_MEAN_LEN:
+        return "varlen"
+    return "bucketed"
 
 
 def compute_logprobs_entropy(
@@ -214,7 +218,8 @@ def compute_logprobs_entropy(
         hidden_all = hidden.last_hidden_state.flatten(0, 1)  # (B*L, D)
         lookup = torch.arange(batch * seq, device=input_ids.device)
     else:
-        backend = _resolve_backend(attn_backend, input_ids.device, lm_head.weight.dtype)
+        mean_len = float((attention_mask != 0).sum()) / max(batch, 1)
+        backend = _resolve_backend(attn_backend, input_ids.device, lm_head.weight.dtype, mean_len)
         hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend, max_tokens_per_microbatch)
 
     hidden_src = hidden_all[lookup[source_flat]]  # (N, D)

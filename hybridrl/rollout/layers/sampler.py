@@ -30,10 +30,11 @@ class SamplingTensors:
     """[B, steps] float64 in [0, 1)."""
     all_greedy: bool
     use_top_k_top_p: bool
+    any_greedy: bool = True
 
     def select(self, rows: torch.Tensor) -> "SamplingTensors":
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.uniforms[rows],
-                               self.all_greedy, self.use_top_k_top_p)
+                               self.all_greedy, self.use_top_k_top_p, self.any_greedy)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +53,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.
     target = st.uniforms[:, step:step + 1] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
     tokens = (pick if order is None else order.gather(-1, pick)).squeeze(-1)
-    tokens = torch.where(greedy.squeeze(-1), logits.argmax(dim=-1), tokens)
+    if st.any_greedy:
+        tokens = torch.where(greedy.squeeze(-1), logits.argmax(dim=-1), tokens)
     return tokens, _gather(logp, tokens)
 
 

@@ -1,0 +1,33 @@
+"""GPU: decode graphs captured once stay valid across refits (bf16 and FP8 engines)."""
+import pytest
+import torch
+
+from hybridrl.refit import refit_from_model
+from hybridrl.rollout import RolloutEngine
+from tests.refit.helpers import hf_model, perturb, qwen2_config
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "fp8_block"])
+def test_graph_replay_equals_eager_after_each_refit(quantization):
+    cfg = qwen2_config()
+    hf = hf_model(cfg).float()
+    eng = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda",
+                        quantization=quantization)
+    eng.load_weights((n, p.detach().cuda()) for n, p in hf.named_parameters())  # captures graphs
+    runner = eng.runner
+    assert runner.graphs is not None
+    tokens = torch.tensor([5, 7, 11], device="cuda")
+    positions = torch.zeros(3, dtype=torch.long, device="cuda")
+    previous = None
+    for k in range(3):
+        perturb(hf, seed=k)
+        refit_from_model(eng, [(n, p.detach().cuda()) for n, p in hf.named_parameters()], verify=True)
+        replay = runner.graphs.replay(tokens, positions).clone()
+        with torch.inference_mode():
+            eager = runner.decode_eager(tokens, positions, runner.max_seq_len)
+        torch.testing.assert_close(replay, eager, atol=0, rtol=0)
+        if previous is not None:
+            assert not torch.equal(replay, previous), "graph kept reading the old weights"
+        previous = replay
