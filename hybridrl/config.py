@@ -157,7 +157,7 @@ class OptimConfig:
 class TrainerConfig:
     total_steps: int = _f(60, "GRPO steps (one rollout batch each)")
     prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
-    mini_batch_size: int = _f(128, "responses per optimizer step (must divide the batch)")
+    mini_batch_size: int = _f(256, "responses per optimizer step (must divide the batch; = batch: on-policy, no old-log-prob pass)")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
     max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
     sft_steps: int = _f(150, "supervised warm-start steps before RL (0 = none)")

@@ -20,20 +20,23 @@ REWARD_FNS: dict[str, RewardFn] = {}
 _NUMBER = re.compile(r"-?\d+")
 
 
-def register_reward(name: str):
+def register_reward(name: str, *, trusted: bool = False):
+    """Register ``fn`` under ``name``. ``trusted`` marks a pure, bounded-time function
+    (the built-ins) that the runner may call inline, without a worker thread."""
     def deco(fn: RewardFn) -> RewardFn:
+        fn.hybridrl_trusted = trusted
         REWARD_FNS[name] = fn
         return fn
     return deco
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", trusted=True)
 def exact_match(response: str, answer: Any, prompt: str = "") -> float:
     """1.0 when the stripped response equals the ground truth string, else 0.0."""
     return float(answer is not None and response.strip() == str(answer).strip())
 
 
-@register_reward("last_number")
+@register_reward("last_number", trusted=True)
 def last_number(response: str, answer: Any, prompt: str = "") -> float:
     """1.0 when the last integer in the response equals the answer (GSM8K-style)."""
     found = _NUMBER.findall(response)

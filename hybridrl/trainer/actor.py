@@ -61,8 +61,12 @@ class Actor:
     def update(self, batch: dict[str, torch.Tensor], spec: PolicyLossSpec, *, mini_batch_size: int,
                epochs: int, temperature: float, generator: torch.Generator | None = None) -> dict[str, float]:
         """PPO-style epochs over shuffled mini-batches. ``batch`` holds ``[N, L]`` tensors:
-        input_ids, attention_mask, response_mask, old_log_prob, advantages, and optionally
-        ref_log_prob, rollout_is_weights."""
+        input_ids, attention_mask, response_mask, advantages, and optionally old_log_prob
+        (absent = on-policy: one epoch over one mini-batch), ref_log_prob,
+        rollout_log_prob, rollout_is_weights."""
+        if "old_log_prob" not in batch and (epochs > 1 or mini_batch_size < batch["input_ids"].shape[0]):
+            raise ValueError("Actor.update: without old_log_prob the update must be one epoch over one "
+                             "mini-batch (on-policy); compute old log-probs first")
         self.model.train()
         n = batch["input_ids"].shape[0]
         sums: dict[str, float] = {}
@@ -94,18 +98,26 @@ class Actor:
             micro = _trim({k: v[rows] for k, v in mb.items()})
             log_prob, entropy = compute_logprobs_entropy(
                 self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
-                temperature=temperature, compute_entropy=spec.entropy_coeff != 0)
+                temperature=temperature, compute_entropy=True)
+            # On-policy fast path: without a separate old-log-prob pass, the policy that
+            # sampled is the one being updated, so old = current (detached), ratio = 1.
+            old_log_prob = micro.get("old_log_prob", log_prob.detach())
             pg_loss, pg_metrics = policy_loss_fn(
-                old_log_prob=micro["old_log_prob"], log_prob=log_prob, advantages=micro["advantages"],
+                old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro["advantages"],
                 response_mask=micro["response_mask"], clip_ratio_low=spec.clip_ratio_low,
                 clip_ratio_high=spec.clip_ratio_high, clip_ratio_c=spec.clip_ratio_c,
                 rollout_is_weights=micro.get("rollout_is_weights"), **agg)
             loss = pg_loss
             metrics = {f"actor/{k}": float(v) * w / total_w for k, v in pg_metrics.items()}
             metrics["actor/pg_loss"] = float(pg_loss.detach())
-            if spec.entropy_coeff:  # entropy for logging comes from the no-grad old-log-prob pass
-                ent = algos.entropy_bonus(entropy, micro["response_mask"], **agg)
+            ent = algos.entropy_bonus(entropy, micro["response_mask"], **agg)
+            metrics["actor/entropy"] = float(ent.detach())
+            if spec.entropy_coeff:
                 loss = loss - spec.entropy_coeff * ent
+            if "rollout_log_prob" in micro:
+                diff = algos.agg_loss((log_prob.detach() - micro["rollout_log_prob"]).abs(), micro["response_mask"],
+                                      **agg)
+                metrics["rollout/trainer_logprob_abs_diff"] = float(diff)
             if spec.kl_coef and spec.use_kl_loss and "ref_log_prob" in micro:
                 kl_loss, _ = algos.compute_kl_loss(log_prob=log_prob, ref_log_prob=micro["ref_log_prob"],
                                                    response_mask=micro["response_mask"], kind=spec.kl_estimator, **agg)

@@ -68,6 +68,20 @@ def warm_start(parts: RunParts, cfg: Config) -> None:
     parts.refit()
 
 
+def needs_old_log_prob(cfg: Config) -> bool:
+    """Whether the step needs a separate no-grad log-prob pass before the update.
+
+    It does not when the update is on-policy (one epoch over one mini-batch) and no
+    correction reads the old log-probs first (TIS, sequence masking, KL in the reward):
+    then the update's own forward gives them, and one forward pass per step is saved.
+    """
+    a, t = cfg.algo, cfg.trainer
+    batch = t.prompts_per_step * cfg.rollout.n
+    off_policy = t.ppo_epochs > 1 or t.mini_batch_size < batch
+    return (off_policy or a.tis_cap is not None or a.mismatch_seq_upper is not None
+            or (a.kl_coef > 0 and not a.use_kl_loss))
+
+
 def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict[str, float]:
     """One RL step; returns its metrics (phase seconds included)."""
     from hybridrl.rollout import SamplingParams
@@ -95,20 +109,28 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
     t["reward"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    batch = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "response_mask": ro.response_mask}
-    old_lp, entropy = parts.actor.compute_log_prob(**batch, temperature=max(r.temperature, 1e-6), with_entropy=True)
+    batch = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "response_mask": ro.response_mask,
+             "rollout_log_prob": ro.logprobs}
+    temperature = max(r.temperature, 1e-6)
     metrics: dict[str, float] = {}
+    old_lp = None
+    if needs_old_log_prob(cfg):
+        old_lp, _ = parts.actor.compute_log_prob(ro.input_ids, ro.attention_mask, ro.response_mask,
+                                                 temperature=temperature)
+        batch["old_log_prob"] = old_lp
     if parts.ref_model is not None:
         from hybridrl.trainer.actor import logprobs_in_microbatches
-        ref_lp, _ = logprobs_in_microbatches(parts.ref_model, **batch, temperature=max(r.temperature, 1e-6),
-                                             max_tokens=cfg.trainer.max_tokens_per_microbatch)
+        ref_lp, _ = logprobs_in_microbatches(parts.ref_model, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                             temperature=temperature, max_tokens=cfg.trainer.max_tokens_per_microbatch)
         batch["ref_log_prob"] = ref_lp
-        metrics["actor/kl"] = float(algos.masked_mean(algos.kl_penalty(old_lp, ref_lp, a.kl_estimator), ro.response_mask))
+        # KL of the sampling policy to the reference (the engine's log-probs are the policy's)
+        metrics["actor/kl"] = float(algos.masked_mean(algos.kl_penalty(ro.logprobs, ref_lp, a.kl_estimator),
+                                                      ro.response_mask))
     t["log_probs"] = time.perf_counter() - t0
 
     token_rewards = algos.scores_to_token_level_rewards(scores, ro.response_mask)
     if parts.ref_model is not None and not a.use_kl_loss:
-        token_rewards, kl_m = algos.apply_kl_penalty(token_level_rewards=token_rewards, old_log_prob=old_lp,
+        token_rewards, kl_m = algos.apply_kl_penalty(token_level_rewards=token_rewards, old_log_prob=batch["old_log_prob"],
                                                      ref_log_prob=batch["ref_log_prob"], response_mask=ro.response_mask,
                                                      kl_ctrl=parts.kl_ctrl, kind=a.kl_estimator)
         metrics.update({f"actor/{k}": float(v) for k, v in kl_m.items()})
@@ -121,7 +143,7 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
                                       index=index, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, gamma=a.gamma,
                                       lam=a.lam, values=values, reward_baselines=baselines,
                                       token_level_rewards=token_rewards)
-    batch.update(old_log_prob=old_lp, advantages=adv)
+    batch["advantages"] = adv
     mask = ro.response_mask
     if a.tis_cap is not None:
         w, tis_m = algos.compute_tis_weights(old_lp, ro.logprobs, mask, tis_cap=a.tis_cap)
@@ -135,7 +157,6 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
         mask, truncated = algos.mask_truncated_responses(mask, finish_reasons=ro.finish_reasons)
         metrics["batch/truncated_masked"] = float(truncated.float().mean())
     batch["response_mask"] = mask
-    metrics["rollout/trainer_logprob_abs_diff"] = float(algos.masked_mean((old_lp - ro.logprobs).abs(), mask))
 
     keep = torch.arange(len(index))
     if a.dynamic_sampling:
@@ -161,7 +182,6 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
         "reward/failures": float(sum(rb.failures.values())),
         "response/length_mean": float(lengths.float().mean()),
         "response/truncated_fraction": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
-        "actor/entropy": float(algos.masked_mean(entropy, mask)),
         "rollout/weight_version": ro.weight_version, "refit/weight_version": stats.version,
         "perf/tokens_per_s": n_tokens / max(sum(t.values()), 1e-9),
         "perf/rollout_tokens_per_s": n_tokens / max(t["rollout"], 1e-9),
