@@ -1,9 +1,12 @@
 """Rollout throughput: hybridrl RolloutEngine vs transformers `generate` (dynamic and
 static cache), same model, prompts, sampling (temperature 1, no stop tokens, every row
-generates the full length), dtype and thread count, measured in the same run.
+generates the full length: min_new_tokens = max_new_tokens on the HF side), dtype and
+thread count, measured in the same run with the sides interleaved (best of repeats).
 
 Also reports the weight-streaming floor for the small model at batch 1: weight bytes
-read per token / memcpy bandwidth measured now.
+read per token / read bandwidth measured now (a streaming sum, not a copy: a copy also
+writes, and would halve the bandwidth and the floor), and the RL default job's rollout
+(`hybridrl train` defaults: 32 prompts x n=8 of 5-9 tokens, <= 8 new, stop on eos).
 
     python benchmarks/rollout.py [--quick] [--json PATH] [--threads N] [--dtype bfloat16]
 """
@@ -28,22 +31,25 @@ MODELS = {
 }
 
 
-def _timed(fn, repeats: int) -> float:
-    """Best-of-`repeats` wall time (the machine is shared; the minimum is the least noisy)."""
-    fn()  # warm-up
-    best = float("inf")
+def _timed(fns: list, repeats: int) -> list[float]:
+    """Best-of-`repeats` wall time of each fn, the fns interleaved within every repeat (the
+    machine is shared: interleaving exposes every side to the same load, the minimum is the
+    least noisy)."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
-def _memcpy_bandwidth() -> float:
-    """Bytes per second read by a large tensor copy (read-only weight streaming is at least this)."""
+def _read_bandwidth() -> float:
+    """Bytes per second streamed by a reduction over a 64 MiB tensor (reads only, like weights)."""
     src = torch.randn(64 * 2**20 // 4)
-    dst = torch.empty_like(src)
-    return src.numel() * 4 / _timed(lambda: dst.copy_(src), 5)
+    return src.numel() * 4 / _timed([src.sum], 5)[0]
 
 
 def _weight_bytes_per_token(model: torch.nn.Module) -> int:
@@ -62,23 +68,50 @@ def bench_case(size: str, batch: int, new_tokens: int, dtype: torch.dtype, repea
     engine.load_weights(hf.named_parameters())
     prompts = torch.randint(0, cfg.vocab_size, (batch, PROMPT_LEN))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0)
-    ours = _timed(lambda: engine.generate(prompts.tolist(), params), repeats)
-    rows, tokens = [], batch * new_tokens
+    ours = lambda: engine.generate(prompts.tolist(), params)  # noqa: E731
+    gens = []
     for cache in ("dynamic", "static"):
         kw = dict(cache_implementation="static") if cache == "static" else {}
-        gen = lambda: hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,  # noqa: E731
-                                  temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **kw)
-        with torch.inference_mode():
-            base = _timed(gen, repeats)
+        gens.append(lambda kw=kw: hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                                              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                              min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **kw))
+    with torch.inference_mode():
+        ours, *bases = _timed([ours] + gens, repeats)
+    rows, tokens = [], batch * new_tokens
+    for cache, base in zip(("dynamic", "static"), bases):
         rows.append(dict(case=f"{size} b={batch} T={new_tokens}", metric="tokens/s", ours=tokens / ours,
                          baseline=tokens / base, baseline_name=f"hf generate ({cache} cache)",
                          higher_is_better=True))
     if size == "small" and batch == 1:
-        floor = _memcpy_bandwidth() / _weight_bytes_per_token(hf)
+        floor = _read_bandwidth() / _weight_bytes_per_token(hf)
         rows.append(dict(case=f"{size} b=1 T={new_tokens}", metric="tokens/s", ours=tokens / ours, baseline=floor,
                          baseline_name="weight-streaming floor", higher_is_better=True))
     return rows
+
+
+def bench_rl_job(dtype: torch.dtype, repeats: int) -> list[dict]:
+    """The default `hybridrl train` rollout: 2-layer hidden-128 Qwen2 (tied, vocab 19), 32 prompts
+    of 5-9 tokens x n=8 samples, <= 8 new tokens, temperature 1, stop on eos (both sides)."""
+    cfg = transformers.Qwen2Config(vocab_size=19, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=True,
+                                   max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()
+    n, new_tokens = 8, 8
+    prompts = [torch.randint(2, 19, (int(torch.randint(5, 10, (1,))),)).tolist() for _ in range(32)]
+    engine = RolloutEngine(cfg, max_batch_size=len(prompts) * n, max_seq_len=9 + new_tokens, dtype=dtype)
+    engine.load_weights(hf.named_parameters())
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(1,), n=n, seed=0)
+    rows = [p for p in prompts for _ in range(n)]
+    S = max(map(len, rows))
+    ids = torch.tensor([[0] * (S - len(p)) + p for p in rows])  # HF wants left padding
+    mask = (ids != 0).long()
+    gen = lambda: hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,  # noqa: E731
+                              top_p=1.0, max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=1)
+    with torch.inference_mode():
+        ours, base = _timed([lambda: engine.generate(prompts, params), gen], repeats)
+    return [dict(case="rl job 32x8 T<=8", metric="rollouts/s", ours=len(rows) / ours, baseline=len(rows) / base,
+                 baseline_name="hf generate (dynamic cache)", higher_is_better=True)]
 
 
 def main() -> None:
@@ -92,10 +125,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.quick:
-        cases, new_tokens, repeats = [("tiny", 1), ("tiny", 16), ("small", 1), ("small", 16)], 32, 1
+        cases, new_tokens, repeats = [("tiny", 1), ("tiny", 16), ("small", 1), ("small", 16)], 32, 2
     else:
         cases, new_tokens, repeats = [(s, b) for s in ("tiny", "small") for b in (1, 16, 64)], 128, 2
-    rows = []
+    rows = bench_rl_job(dtype, 3 if args.quick else 10)
+    _print(rows)
     for size, batch in cases:
         rows += bench_case(size, batch, new_tokens, dtype, repeats)
         _print(rows[-(3 if (size, batch) == ("small", 1) else 2):])

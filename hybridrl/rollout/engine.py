@@ -96,11 +96,12 @@ class RolloutEngine:
                  params: SamplingParams | list[SamplingParams] | None = None) -> Rollouts:
         """Sample a response for every prompt (n per prompt); see `Rollouts` for the layout."""
         requests = self._make_requests(prompt_token_ids, params or SamplingParams())
-        sync_every = 1 if self.device.type == "cpu" else 8
+        cpu = self.device.type == "cpu"
+        sync_every, compact_at = (1, 7 / 8) if cpu else (8, 1 / 2)
         results = []
         for i in range(0, len(requests), self.max_batch_size):
             chunk = requests[i:i + self.max_batch_size]
-            results += run_batch(self.runner, chunk, self.config.vocab_size, sync_every)
+            results += run_batch(self.runner, chunk, self.config.vocab_size, sync_every, compact_at)
         return build_rollouts([r.prompt for r in requests], [t for t, _, _ in results],
                               [lp for _, lp, _ in results], [f for _, _, f in results],
                               self.weight_version, self.pad_token_id)

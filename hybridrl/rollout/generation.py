@@ -2,7 +2,9 @@
 
 Per step: one decode forward, one batched sample, a few small in-place tensor ops; the
 only host sync is the `done` check every `sync_every` steps (free on CPU). When at
-most half of the current rows are still running, finished rows are *compacted* out:
+most `compact_at` of the current rows are still running (half on CUDA, where graphs come
+in batch buckets; 7/8 on CPU, where a step costs in proportion to its rows), finished
+rows are *compacted* out:
 the survivors' cache rows move to [0, n) and every per-row tensor is gathered, so the
 remaining steps run on a smaller batch (on CUDA: replay a smaller graph).
 """
@@ -45,23 +47,22 @@ class BatchState:
 
 
 def run_batch(runner: ModelRunner, requests: list[Request], vocab_size: int,
-              sync_every: int = 1) -> list[tuple[list[int], list[float], str]]:
+              sync_every: int = 1, compact_at: float = 0.5) -> list[tuple[list[int], list[float], str]]:
     """Generate for `requests`; returns (response ids, log-probs, finish reason) per request."""
     dev, B = runner.device, len(requests)
-    lengths = torch.tensor([len(r.prompt) for r in requests], device=dev)
-    S, steps = int(lengths.max()), max(r.max_new for r in requests)
-    input_ids = torch.zeros(B, S, dtype=torch.long)
-    for b, r in enumerate(requests):
-        input_ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
-    state = _initial_state(requests, lengths, steps, vocab_size, dev)
+    lens = [len(r.prompt) for r in requests]
+    S, steps = max(lens), max(r.max_new for r in requests)
+    # Rows with equal-length prompts all sit at the same slot every step: no decode mask needed.
+    aligned = min(lens) == S
+    state = _initial_state(requests, torch.tensor(lens, device=dev), steps, vocab_size, dev)
     has_stop = state.stop_ids.shape[1] > 0
     out_tokens = torch.full((B, steps), -1, dtype=torch.long, device=dev)
     out_logprobs = torch.zeros(B, steps, dtype=torch.float32, device=dev)
 
-    logits = runner.prefill(input_ids.to(dev), lengths)
+    logits = _prefill_unique(runner, [r.prompt for r in requests], S)
     for step in range(steps):
         if step > 0:
-            logits = runner.decode(state.tokens, state.positions, min(S + step, runner.max_seq_len))
+            logits = runner.decode(state.tokens, state.positions, min(S + step, runner.max_seq_len), aligned)
             state.positions.add_(1).clamp_(max=runner.max_seq_len - 1)  # finished rows may run past
         tokens, logprobs = sample(logits, state.sampling, step)
         out_tokens[state.row_map, step] = tokens.masked_fill(state.done, -1)
@@ -75,19 +76,37 @@ def run_batch(runner: ModelRunner, requests: list[Request], vocab_size: int,
             n = running.numel()
             if n == 0:
                 break
-            if n <= state.done.numel() // 2:
+            if n <= state.done.numel() * compact_at:
                 runner.kv_cache.move_rows(running, min(S + step, runner.max_seq_len))
                 state = state.select(running)
     return _collect(out_tokens.cpu(), out_logprobs.cpu(), requests)
 
 
+def _prefill_unique(runner: ModelRunner, prompts: list[list[int]], S: int) -> torch.Tensor:
+    """Prefill each distinct prompt once, then copy its cache row to every row that shares it.
+
+    GRPO batches hold n copies of each prompt; prefilling the U distinct ones (rows [0, U))
+    and gathering cache rows costs 1/n of the prompt FLOPs. Returns logits [B, V] float32.
+    """
+    first: dict[tuple[int, ...], int] = {}
+    src = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    unique = list(first)
+    input_ids = torch.tensor([list(p) + [0] * (S - len(p)) for p in unique], dtype=torch.long)  # (U, S)
+    lengths = torch.tensor([len(p) for p in unique], device=runner.device)
+    logits = runner.prefill(input_ids.to(runner.device), lengths)
+    if len(unique) == len(prompts):
+        return logits
+    src_rows = torch.tensor(src, device=runner.device)
+    runner.kv_cache.move_rows(src_rows, S)
+    return logits[src_rows]
+
+
 def _initial_state(requests, lengths, steps, vocab_size, dev) -> BatchState:
     B = len(requests)
-    n_stop = max(len(r.params.stop_token_ids) for r in requests)
-    stop_ids = torch.full((B, n_stop), -1, dtype=torch.long)
-    for b, r in enumerate(requests):
-        stop_ids[b, :len(r.params.stop_token_ids)] = torch.tensor(r.params.stop_token_ids, dtype=torch.long)
     ps = [r.params for r in requests]
+    n_stop = max(len(p.stop_token_ids) for p in ps)
+    stop_ids = torch.tensor([list(p.stop_token_ids) + [-1] * (n_stop - len(p.stop_token_ids)) for p in ps],
+                            dtype=torch.long).view(B, n_stop)
     all_greedy = all(p.temperature == 0 for p in ps)
     sampling = SamplingTensors(
         temperature=torch.tensor([[p.temperature] for p in ps], dtype=torch.float32, device=dev),
@@ -97,6 +116,7 @@ def _initial_state(requests, lengths, steps, vocab_size, dev) -> BatchState:
         all_greedy=all_greedy,
         use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
         any_greedy=any(p.temperature == 0 for p in ps),
+        all_unit_temperature=all(p.temperature == 1.0 for p in ps),
     )
     return BatchState(
         row_map=torch.arange(B, device=dev), tokens=torch.zeros(B, dtype=torch.long, device=dev),
@@ -106,10 +126,12 @@ def _initial_state(requests, lengths, steps, vocab_size, dev) -> BatchState:
 
 
 def _collect(out_tokens: torch.Tensor, out_logprobs: torch.Tensor, requests: list[Request]):
+    """One host transfer per tensor, then plain list slicing (per-row .tolist() is slow at B=256)."""
+    counts = (out_tokens >= 0).sum(dim=1).tolist()
+    all_tokens, all_logprobs = out_tokens.tolist(), out_logprobs.tolist()
     results = []
-    for b, r in enumerate(requests):
-        n = int((out_tokens[b] >= 0).sum())
-        tokens, logprobs = out_tokens[b, :n].tolist(), out_logprobs[b, :n].tolist()
+    for r, n, tokens, logprobs in zip(requests, counts, all_tokens, all_logprobs):
+        tokens = tokens[:n]
         reason = "stop" if tokens and tokens[-1] in r.params.stop_token_ids else "length"
-        results.append((tokens, logprobs, reason))
+        results.append((tokens, logprobs[:n], reason))
     return results

@@ -41,24 +41,27 @@ class ModelRunner:
         last = hidden[self.rows[:B], lengths - 1]  # (B, hidden)
         return self.model.compute_logits(last).float()
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+               aligned: bool = False) -> torch.Tensor:
         """tokens [B] at positions [B] (cache rows [0, B)) -> logits [B, V] float32.
 
         kv_len bounds the slots attended in eager mode; graphs attend over max_seq_len.
+        `aligned` promises every position == kv_len - 1, so eager mode needs no mask.
         """
         if self.graphs is not None and self.graphs.can_run(tokens.shape[0]):
             return self.graphs.replay(tokens, positions)
         with torch.inference_mode():
-            return self.decode_eager(tokens, positions, kv_len)
+            return self.decode_eager(tokens, positions, kv_len, aligned)
 
-    def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                     aligned: bool = False) -> torch.Tensor:
         """The decode step itself; also what the CUDA graphs capture (with kv_len = max_seq_len)."""
         B = tokens.shape[0]
         pos = positions.view(B, 1)
         cos, sin = self.model.model.rotary_emb.tables(pos)
-        mask = (self.slot_ids[:kv_len].view(1, kv_len) <= pos).view(B, 1, 1, kv_len)
+        mask = None if aligned else (self.slot_ids[:kv_len].view(1, kv_len) <= pos).view(B, 1, 1, kv_len)
         ctx = ForwardContext(pos, cos, sin, kv_cache=self.kv_cache, is_prefill=False, attn_mask=mask,
-                             rows=self.rows[:B], kv_len=kv_len)
+                             rows=self.rows[:B], kv_len=kv_len, slot=kv_len - 1 if aligned else None)
         hidden = self.model(tokens.view(B, 1), ctx)
         return self.model.compute_logits(hidden[:, 0]).float()
 

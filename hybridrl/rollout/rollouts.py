@@ -35,17 +35,18 @@ def build_rollouts(prompts: list[list[int]], responses: list[list[int]], logprob
                    finish_reasons: list[str], weight_version: int, pad_token_id: int = 0) -> Rollouts:
     """Pad the per-row lists into trainer tensors (on CPU)."""
     B = len(prompts)
-    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    P = torch.tensor([len(p) for p in prompts])
+    R = torch.tensor([len(r) for r in responses])
+    L = int((P + R).max())
+    slots = torch.arange(L)
+    attention_mask = (slots < (P + R)[:, None]).long()  # (B, L)
+    response_mask = ((slots >= P[:, None]) & (slots < (P + R)[:, None])).float()
+    # Boolean-mask assignment fills True slots in row-major order: the rows' lists, concatenated.
     input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, L, dtype=torch.long)
-    response_mask = torch.zeros(B, L, dtype=torch.float32)
+    input_ids[attention_mask.bool()] = torch.tensor([t for p, r in zip(prompts, responses) for t in (*p, *r)],
+                                                    dtype=torch.long)
     lp = torch.zeros(B, L, dtype=torch.float32)
-    for b, (p, r, r_lp) in enumerate(zip(prompts, responses, logprobs)):
-        P, R = len(p), len(r)
-        input_ids[b, :P + R] = torch.tensor(p + r, dtype=torch.long)
-        attention_mask[b, :P + R] = 1
-        response_mask[b, P:P + R] = 1.0
-        lp[b, P:P + R] = torch.tensor(r_lp, dtype=torch.float32)
+    lp[response_mask.bool()] = torch.tensor([x for r_lp in logprobs for x in r_lp], dtype=torch.float32)
     return Rollouts(prompt_token_ids=[list(p) for p in prompts], response_token_ids=responses,
                     response_logprobs=logprobs, finish_reasons=finish_reasons, input_ids=input_ids,
                     attention_mask=attention_mask, response_mask=response_mask, logprobs=lp,

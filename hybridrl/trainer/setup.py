@@ -87,7 +87,7 @@ class RunParts:
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.optim.grad_clip)
         self.critic_opt.step()
-        return {"critic/vf_loss": float(loss), "critic/grad_norm": float(gn),
+        return {"critic/vf_loss": float(loss.detach()), "critic/grad_norm": float(gn),
                 **{f"critic/{k}": float(v) for k, v in m.items()}}
 
     def greedy_baselines(self, prompts: list[list[int]], answers: list[Any], prompt_texts: list[str],

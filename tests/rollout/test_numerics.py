@@ -61,6 +61,38 @@ def test_decode_logits_match_transformers(family):
         logits = engine.runner.decode(tokens, lens + step, int(lens.max()) + step + 1)
 
 
+def test_aligned_decode_equals_masked_decode():
+    """Equal-length rows decode without a mask and with slice writes; same logits, same cache."""
+    cfg = make_config("qwen2")
+    hf = make_hf_model(cfg)
+    a, b = _engine(cfg, hf), _engine(cfg, hf)
+    g = torch.Generator().manual_seed(3)
+    prompts, lens = torch.randint(0, VOCAB, (3, 7), generator=g), torch.full((3,), 7)
+    la, lb = a.runner.prefill(prompts, lens), b.runner.prefill(prompts, lens)
+    for step in range(4):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+        tokens = la.argmax(-1)
+        la = a.runner.decode(tokens, lens + step, 7 + step + 1)
+        lb = b.runner.decode(tokens, lens + step, 7 + step + 1, aligned=True)
+    torch.testing.assert_close(a.runner.kv_cache.k, b.runner.kv_cache.k, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prompts_prefill_once_same_samples():
+    """n samples of a prompt (one prefill, cache rows copied) sample exactly what separate
+    requests with the same seeds sample."""
+    cfg = make_config("qwen2")
+    engine = _engine(cfg, make_hf_model(cfg), max_batch_size=8)
+    prompts = [[3, 14, 15, 92, 65], [35, 89]]
+    shared = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=5, n=3))
+    seeds = [5, (5 * 1_000_003 + 1) % 2**62, (5 * 1_000_003 + 2) % 2**62]
+    for i, p in enumerate(prompts):
+        for j, seed in enumerate(seeds):
+            alone = engine.generate([p], SamplingParams(temperature=1.0, max_tokens=6, seed=seed))
+            assert shared.response_token_ids[3 * i + j] == alone.response_token_ids[0]
+            torch.testing.assert_close(torch.tensor(shared.response_logprobs[3 * i + j]),
+                                       torch.tensor(alone.response_logprobs[0]), rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_matches_transformers_generate(family):
     cfg = make_config(family)
     hf = make_hf_model(cfg)

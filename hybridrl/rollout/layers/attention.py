@@ -7,7 +7,8 @@ Three modes, chosen by the `ForwardContext` the model runner builds once per for
   sees a pad token with right padding, so no S x S mask is built);
 - decode (S == 1): row b writes its k/v at slot `positions[b]` (an index_put_, no
   allocation) and attends over slots [0, kv_len) with a `[B, 1, 1, kv_len]` bool mask
-  (True = attend) that hides slots beyond its own position.
+  (True = attend) that hides slots beyond its own position, or no mask when every row
+  sits at slot kv_len - 1 (equal-length prompts, eager mode).
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ class ForwardContext:
     kv_cache: KVCache | None = None
     is_prefill: bool = True
     attn_mask: torch.Tensor | None = None
-    """None -> causal; prefill without cache: bool [B, 1, S, S]; decode: bool [B, 1, 1, kv_len]."""
+    """None -> causal (decode: every row attends all kv_len slots); prefill without cache: bool
+    [B, 1, S, S]; decode: bool [B, 1, 1, kv_len]."""
     rows: torch.Tensor | None = None
     """decode: [B] long cache rows written by this step (arange(B))."""
     kv_len: int = 0
     """decode: number of cache slots attended."""
+    slot: int | None = None
+    """decode, eager, every row at the same position: that slot (a slice copy, no index_put_)."""
 
 
 class Attention(nn.Module):
@@ -84,12 +88,23 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """q [B, H, 1, D]; k, v [B, 1, KVH, D] -> o [B, H, 1, D]."""
-        B = q.shape[0]
+        """q [B, H, 1, D]; k, v [B, 1, KVH, D] -> o [B, H, 1, D].
+
+        GQA runs as KVH heads of G = H / KVH query rows each (q viewed [B, KVH, G, D]): the
+        kernel then reads every cached k/v row once, not G times as `enable_gqa` does
+        (about 2x faster on CPU at batch 64). Same math, same result.
+        """
+        B, H, _, D = q.shape
+        KVH = self.num_kv_heads
         k_cache, v_cache = ctx.kv_cache.k[self.layer_idx], ctx.kv_cache.v[self.layer_idx]
-        slots = ctx.positions[:, 0]
-        k_cache[ctx.rows, :, slots] = k[:, 0]  # (B, KVH, D) into slot positions[b] of row b
-        v_cache[ctx.rows, :, slots] = v[:, 0]
+        if ctx.slot is not None:
+            k_cache[:B, :, ctx.slot].copy_(k[:, 0])
+            v_cache[:B, :, ctx.slot].copy_(v[:, 0])
+        else:
+            slots = ctx.positions[:, 0]
+            k_cache[ctx.rows, :, slots] = k[:, 0]  # (B, KVH, D) into slot positions[b] of row b
+            v_cache[ctx.rows, :, slots] = v[:, 0]
         T = ctx.kv_len
-        return F.scaled_dot_product_attention(
-            q, k_cache[:B, :, :T], v_cache[:B, :, :T], attn_mask=ctx.attn_mask, enable_gqa=self.enable_gqa)
+        o = F.scaled_dot_product_attention(
+            q.reshape(B, KVH, H // KVH, D), k_cache[:B, :, :T], v_cache[:B, :, :T], attn_mask=ctx.attn_mask)
+        return o.reshape(B, H, 1, D)

@@ -37,9 +37,22 @@ class LMHead(nn.Module):
         if self.tied:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+            self.weight = nn.Parameter(_head_storage(vocab_size, hidden_size, dtype, torch.device(device)),
                                        requires_grad=False)
             self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
+
+
+def _head_storage(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The [V, hidden] head weight; on CPU a transposed view of a contiguous [hidden, V] buffer.
+
+    h @ W.T then runs as a plain (non-transposed) GEMM: MKL's transposed GEMV streams a
+    large [V, hidden] weight at about half the memory bandwidth (32000 x 512 float32, batch 1:
+    5.0 ms vs 2.4 ms), and the head is the biggest weight of a small model. Loads copy through
+    the view, so shape, address and stride stay fixed across refits.
+    """
+    if device.type != "cpu":
+        return torch.empty(vocab_size, hidden_size, dtype=dtype, device=device)
+    return torch.empty(hidden_size, vocab_size, dtype=dtype, device=device).t()

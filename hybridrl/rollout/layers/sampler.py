@@ -31,10 +31,12 @@ class SamplingTensors:
     all_greedy: bool
     use_top_k_top_p: bool
     any_greedy: bool = True
+    all_unit_temperature: bool = False
+    """every row samples at temperature 1: logits / T is skipped (dividing by 1 is exact)."""
 
     def select(self, rows: torch.Tensor) -> "SamplingTensors":
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.uniforms[rows],
-                               self.all_greedy, self.use_top_k_top_p, self.any_greedy)
+                               self.all_greedy, self.use_top_k_top_p, self.any_greedy, self.all_unit_temperature)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,8 +44,10 @@ def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.
     if st.all_greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, _gather(torch.log_softmax(logits, dim=-1), tokens)
-    greedy = st.temperature == 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, st.temperature), dim=-1)  # (B, V)
+    if st.all_unit_temperature:
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+    else:
+        logp = torch.log_softmax(logits / torch.where(st.temperature == 0, 1.0, st.temperature), dim=-1)
     if st.use_top_k_top_p:
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         probs = _truncate(sorted_logp.exp(), st.top_k, st.top_p)
@@ -54,7 +58,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
     tokens = (pick if order is None else order.gather(-1, pick)).squeeze(-1)
     if st.any_greedy:
-        tokens = torch.where(greedy.squeeze(-1), logits.argmax(dim=-1), tokens)
+        tokens = torch.where(st.temperature.squeeze(-1) == 0, logits.argmax(dim=-1), tokens)
     return tokens, _gather(logp, tokens)
 
 
@@ -72,6 +76,8 @@ def _gather(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def make_uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Tensor:
-    """[B, steps] float64; row b is a function of seeds[b] alone (one generator per row)."""
-    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
-    return torch.stack(rows).to(device)
+    """[B, steps] float64; row b is a function of seeds[b] alone (the generator is reseeded per row)."""
+    out, gen = torch.empty(len(seeds), steps, dtype=torch.float64), torch.Generator()
+    for row, s in zip(out, seeds):
+        torch.rand(steps, generator=gen.manual_seed(s), dtype=torch.float64, out=row)
+    return out.to(device)
