@@ -15,7 +15,7 @@ ARITHMETIC_CHARS = "0123456789+-*= "
 
 def build_char_tokenizer(chars: str = ARITHMETIC_CHARS) -> PreTrainedTokenizerFast:
     """Tokenizer with ids ``<pad>=0, <bos>=1, <eos>=2, <unk>=3`` then one id per char."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if len(set(chars)) != len(chars):
         raise ValueError(f"build_char_tokenizer: duplicate characters in {chars!r}; pass each once")
@@ -26,6 +26,9 @@ def build_char_tokenizer(chars: str = ARITHMETIC_CHARS) -> PreTrainedTokenizerFa
     # Every character is its own pre-token; WordLevel then maps it to an id.
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # concatenate characters back without separators
+    # add_special_tokens=True prepends <bos>, as the built-in task's prompts do
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
         padding_side="right", clean_up_tokenization_spaces=False,

@@ -24,7 +24,7 @@ class RolloutEngine:
 
     def __init__(self, hf_config: Any, *, max_batch_size: int, max_seq_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 quantization: str | None = None, enforce_eager: bool = False):
+                 quantization: str | None = None, enforce_eager: bool = False, compile_decode: bool = False):
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"RolloutEngine: max_batch_size={max_batch_size} must be >= 1 and "
                              f"max_seq_len={max_seq_len} >= 2")
@@ -38,7 +38,8 @@ class RolloutEngine:
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
         self.model = DecoderForCausalLM(self.config, get_linear_method(quantization), max_seq_len,
                                         dtype, self.device)
-        self.runner = ModelRunner(self.model, max_batch_size, max_seq_len, dtype, self.device)
+        # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
+        self.runner = ModelRunner(self.model, max_batch_size, max_seq_len, dtype, self.device, compile_decode)
         self.weight_version = 0
         self._use_graphs = self.device.type == "cuda" and not enforce_eager
 

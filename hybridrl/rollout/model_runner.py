@@ -16,13 +16,19 @@ from hybridrl.rollout.models.decoder import DecoderForCausalLM
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, compile_decode: bool = False):
         self.model, self.device = model, device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.kv_cache = KVCache(model.config, max_batch_size, max_seq_len, dtype, device)
         self.rows = torch.arange(max_batch_size, device=device)  # decode cache rows, static
         self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
         self.graphs: CudaGraphRunner | None = None
+        self._decode_step = self.decode_eager
+        if compile_decode:
+            # dynamic=True: one compiled step for every batch size (compaction shrinks it) and
+            # kv_len (grows every step). Several times fewer host ops per step on CPU, but the
+            # compile takes minutes on 2 cores, hence opt-in.
+            self._decode_step = torch.compile(self.decode_eager, dynamic=True)
 
     def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:
         self.graphs = CudaGraphRunner(self, batch_sizes)
@@ -51,7 +57,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(tokens.shape[0]):
             return self.graphs.replay(tokens, positions)
         with torch.inference_mode():
-            return self.decode_eager(tokens, positions, kv_len, aligned)
+            return self._decode_step(tokens, positions, kv_len, aligned)
 
     def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
                      aligned: bool = False) -> torch.Tensor:

@@ -55,7 +55,8 @@ def warm_start(parts: RunParts, cfg: Config) -> None:
     if steps <= 0 or parts.sft_pairs is None:
         return
     prompts, answers = parts.sft_pairs
-    opt = torch.optim.AdamW(parts.actor.model.parameters(), lr=cfg.optim.sft_lr, betas=tuple(cfg.optim.betas))
+    opt = torch.optim.AdamW(parts.actor.model.parameters(), lr=cfg.optim.sft_lr, betas=tuple(cfg.optim.betas),
+                            weight_decay=cfg.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.05, 1 - s / steps))
     rng = random.Random(cfg.trainer.seed)
     parts.actor.model.train()

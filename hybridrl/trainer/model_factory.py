@@ -17,15 +17,15 @@ def builtin_tokenizer():
 
 def builtin_model(tokenizer, *, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
                   num_key_value_heads: int, intermediate_size: int, max_position_embeddings: int = 128,
-                  seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A random-init Qwen2 causal LM sized for the arithmetic task (tied embeddings)."""
+                  tie_word_embeddings: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random-init Qwen2 causal LM sized for the arithmetic task."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)

@@ -169,7 +169,8 @@ def build_run(cfg: Config, console: Callable[[str], None] | None = None) -> RunP
         tokenizer = builtin_tokenizer()
         model = builtin_model(tokenizer, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
                               num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                              intermediate_size=m.intermediate_size, seed=t.seed, dtype=dtype)
+                              intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
+                              seed=t.seed, dtype=dtype)
     model.to(t.device)
     sft = None
     if cfg.data.train_files:

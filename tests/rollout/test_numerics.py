@@ -93,6 +93,19 @@ def test_shared_prompts_prefill_once_same_samples():
                                        torch.tensor(alone.response_logprobs[0]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_compiled_decode_matches_eager():
+    """compile_decode=True (torch.compile of the decode step) samples what eager mode samples."""
+    cfg = make_config("qwen2")
+    hf = make_hf_model(cfg)
+    prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38]]
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=1, stop_token_ids=(7,))
+    eager = _engine(cfg, hf).generate(prompts, params)
+    compiled = _engine(cfg, hf, compile_decode=True).generate(prompts, params)
+    assert compiled.response_token_ids == eager.response_token_ids
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)
+
+
 def test_greedy_matches_transformers_generate(family):
     cfg = make_config(family)
     hf = make_hf_model(cfg)
