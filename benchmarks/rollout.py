@@ -90,10 +90,10 @@ def bench_case(size: str, batch: int, new_tokens: int, dtype: torch.dtype, repea
 
 
 def bench_rl_job(dtype: torch.dtype, repeats: int) -> list[dict]:
-    """The default `hybridrl train` rollout: 2-layer hidden-128 Qwen2 (tied, vocab 19), 32 prompts
+    """The default `hybridrl train` rollout: 2-layer hidden-128 Qwen2 (untied, vocab 19), 32 prompts
     of 5-9 tokens x n=8 samples, <= 8 new tokens, temperature 1, stop on eos (both sides)."""
     cfg = transformers.Qwen2Config(vocab_size=19, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=True,
+                                   num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=False,
                                    max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     hf = transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()

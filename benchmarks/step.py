@@ -152,7 +152,8 @@ def build_trl(cfg: Config, parts, *, steps: int, output_dir: str, after_step):
     tok = parts.tokenizer
     model = builtin_model(tok, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
                           num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                          intermediate_size=m.intermediate_size, seed=t.seed, dtype=torch.float32)
+                          intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
+                          seed=t.seed, dtype=torch.float32)
     prompt_texts = [tok.bos_token + p for p in parts.train_set.prompt_texts]
     if tok(prompt_texts[0], add_special_tokens=False)["input_ids"] != parts.train_set.prompts[0]:
         raise RuntimeError("benchmarks/step.py: TRL's prompt tokenization differs from ours; fix prompt_texts")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ValueError as e:  # user mistakes: one line, no traceback
+    except ValueError as e:  # user mistakes: one line, no traceback (HYBRIDRL_DEBUG=1 shows it)
+        if os.environ.get("HYBRIDRL_DEBUG"):
+            raise
         print(f"hybridrl: error: {e}", file=sys.stderr)
         return 2
 

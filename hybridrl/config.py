@@ -97,6 +97,10 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ConfigError(f"rollout.n={self.n}: need at least 1 sample per prompt")
+        if self.max_tokens < 1:
+            raise ConfigError(f"rollout.max_tokens={self.max_tokens}: must be >= 1")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"rollout.top_k={self.top_k}: use -1 (off) or a positive k")
         if self.temperature < 0:
             raise ConfigError(f"rollout.temperature={self.temperature}: must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -134,8 +138,24 @@ class AlgoConfig:
     cliprange_value: float = _f(0.2, "PPO value clip")
 
     def __post_init__(self) -> None:
+        from hybridrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+
+        for key, choices in (("adv_estimator", ADV_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
+                             ("loss_agg_mode", LOSS_AGG_MODES), ("kl_estimator", KL_ESTIMATORS)):
+            value = getattr(self, key)
+            if value not in list(choices):
+                close = difflib.get_close_matches(value, list(choices), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"choose one of {', '.join(choices)}"
+                raise ConfigError(f"algo.{key}={value!r} is unknown; {hint}")
         if self.kl_coef < 0:
             raise ConfigError(f"algo.kl_coef={self.kl_coef}: must be >= 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"algo.tis_cap={self.tis_cap}: must be > 0 (typical 2.0) or null to disable")
+        if self.mismatch_seq_lower is not None and self.mismatch_seq_upper is None:
+            raise ConfigError("algo.mismatch_seq_lower needs algo.mismatch_seq_upper (the masking is off without it)")
+        if self.adaptive_kl_target is not None and (self.use_kl_loss or self.kl_coef == 0):
+            raise ConfigError("algo.adaptive_kl_target applies to the KL reward penalty: set algo.use_kl_loss=false "
+                              "and algo.kl_coef > 0, or remove it")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ConfigError(f"algo.clip_ratio_c={self.clip_ratio_c}: dual-clip needs c > 1")
 
@@ -173,13 +193,20 @@ class TrainerConfig:
     output_dir: str = _f("runs", "parent of the run directory")
     run_name: str = _f("default", "run directory name under output_dir")
     save_checkpoint: bool = _f(True, "write an HF-format checkpoint at the end")
+    save_every: int = _f(0, "also checkpoint every k RL steps (0 = only at the end)")
     refit_bucket_mb: int = _f(64, "refit bucket size (MiB)")
     refit_verify: bool = _f(False, "check engine addresses and checksums after every refit")
 
     def __post_init__(self) -> None:
-        for key in ("total_steps", "prompts_per_step", "mini_batch_size", "ppo_epochs", "eval_every", "sft_batch_size"):
-            if getattr(self, key) < (0 if key == "total_steps" else 1):
-                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be positive")
+        for key in ("prompts_per_step", "mini_batch_size", "ppo_epochs", "eval_every", "sft_batch_size",
+                    "max_tokens_per_microbatch", "refit_bucket_mb"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= 1")
+        for key in ("total_steps", "sft_steps", "threads", "save_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= 0")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
 
 
 @dataclass(kw_only=True)
@@ -208,6 +235,9 @@ class Config:
                 f"trainer.prompts_per_step * rollout.n = {batch}; pick a divisor of {batch}")
         if self.algo.adv_estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
             raise ConfigError(f"algo.adv_estimator={self.algo.adv_estimator} needs groups: set rollout.n >= 2")
+        if self.rollout.temperature == 0 and self.rollout.n > 1:
+            raise ConfigError("rollout.temperature=0 makes all rollout.n samples of a prompt identical "
+                              "(zero advantage); use a temperature > 0")
 
 
 GROUPS: dict[str, type] = typing.get_type_hints(Config)

@@ -25,10 +25,12 @@ class PromptRecord:
 class LoadReport:
     loaded: int = 0
     skipped: Counter = field(default_factory=Counter)
+    skipped_answer: int = 0  # rows kept without a ground truth (the reward sees None)
 
     def summary(self) -> str:
         why = ", ".join(f"{n} {k}" for k, n in self.skipped.items()) or "none"
-        return f"{self.loaded} prompts loaded, skipped: {why}"
+        extra = f"; {self.skipped_answer} without an answer" if self.skipped_answer else ""
+        return f"{self.loaded} prompts loaded, skipped: {why}{extra}"
 
 
 def _read_rows(path: Path):
@@ -82,13 +84,23 @@ def load_prompt_files(files: list[str], tokenizer, *, prompt_key: str, answer_ke
             if prompt_key not in row:
                 report.skipped[f"no '{prompt_key}' column"] += 1
                 continue
-            ids = render_prompt(tokenizer, row[prompt_key])
+            try:
+                ids = render_prompt(tokenizer, row[prompt_key])
+            except ValueError:
+                raise  # a setup problem (no chat template), not a bad row
+            except Exception:  # noqa: BLE001 - a malformed row is skipped and counted, never fatal
+                ids = None
             if ids is None:
                 report.skipped["malformed prompt"] += 1
+                continue
+            if not ids or (tokenizer.bos_token_id is not None and ids == [tokenizer.bos_token_id]):
+                report.skipped["empty prompt"] += 1
                 continue
             if len(ids) > max_prompt_length:
                 report.skipped["longer than data.max_prompt_length"] += 1
                 continue
+            if row.get(answer_key) is None:
+                report.skipped_answer += 1
             records.append(PromptRecord(ids, row.get(answer_key), src))
             report.loaded += 1
     return records, report

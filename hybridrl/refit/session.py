@@ -82,11 +82,15 @@ class Refit:
         if self.verify:
             self._addresses = V.snapshot(self.engine.named_state_tensors())
         _ACTIVE[self.engine] = self
-        for layer in self._linears():
-            restore = getattr(layer.method, "restore_loading_layout", None)
-            if restore is not None:
-                restore(layer)
         self.state = State.LOADING
+        try:
+            for layer in self._linears():
+                restore = getattr(layer.method, "restore_loading_layout", None)
+                if restore is not None:
+                    restore(layer)
+        except BaseException:
+            self.abort()  # re-applies inference layouts and releases the engine
+            raise
         return self
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

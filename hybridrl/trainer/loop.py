@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -63,7 +64,8 @@ def warm_start(parts: RunParts, cfg: Config) -> None:
     bar = progress_bar(range(steps), desc="warm start", enabled=cfg.logging.progress)
     for _ in bar:
         p, a = sample_sft_batch(rng, prompts, answers, cfg.trainer.sft_batch_size)
-        loss, _ = sft_step(parts.actor.model, opt, *sft_batch(p, a, parts.pad_id), cfg.optim.grad_clip)
+        ids, mask, labels = (x.to(parts.device) for x in sft_batch(p, a, parts.pad_id))
+        loss, _ = sft_step(parts.actor.model, opt, ids, mask, labels, cfg.optim.grad_clip)
         sched.step()
         bar.set_postfix(loss=f"{loss:.3f}")
     parts.refit()
@@ -90,11 +92,16 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
     a, r = cfg.algo, cfg.rollout
     t = {}
     t0 = time.perf_counter()
-    batch_idx = [rng.randrange(len(parts.train_set.prompts)) for _ in range(cfg.trainer.prompts_per_step)]
+    # Without replacement within a step, and one seed per prompt: with a shared seed the
+    # j-th sample of every prompt would reuse the same random stream (correlated noise).
+    batch_idx = rng.sample(range(len(parts.train_set.prompts)), cfg.trainer.prompts_per_step)
     prompts = [parts.train_set.prompts[i] for i in batch_idx]
-    params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
-                            stop_token_ids=parts.stop_ids, n=r.n, seed=cfg.trainer.seed * 1_000_003 + step)
+    base = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
+                          stop_token_ids=parts.stop_ids, n=r.n)
+    params = [dataclasses.replace(base, seed=rng.randrange(2**62)) for _ in prompts]
     ro = parts.engine.generate(prompts, params)
+    for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
+        setattr(ro, name, getattr(ro, name).to(parts.device))
     t["rollout"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -103,7 +110,7 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
     answers = [parts.train_set.answers[batch_idx[i]] for i in index]
     ptexts = [parts.train_set.prompt_texts[batch_idx[i]] for i in index]
     rb = parts.reward.score(texts, answers, ptexts)
-    raw = torch.tensor(rb.scores, dtype=torch.float32)
+    raw = torch.tensor(rb.scores, dtype=torch.float32, device=parts.device)
     lengths = ro.response_mask.sum(-1)
     scores = shape_scores(raw, lengths=lengths, max_tokens=r.max_tokens, overlong_buffer_len=a.overlong_buffer_len,
                           overlong_penalty_factor=a.overlong_penalty_factor)
@@ -112,7 +119,7 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
     t0 = time.perf_counter()
     batch = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "response_mask": ro.response_mask,
              "rollout_log_prob": ro.logprobs}
-    temperature = max(r.temperature, 1e-6)
+    temperature = r.temperature  # 0 = greedy: scored at 1, as the engine reports
     metrics: dict[str, float] = {}
     old_lp = None
     if needs_old_log_prob(cfg):
@@ -168,7 +175,7 @@ def rl_step(parts: RunParts, cfg: Config, step: int, rng: random.Random) -> dict
         kept = {k: v[keep] for k, v in batch.items()}
         mb = min(cfg.trainer.mini_batch_size, len(keep))
         metrics.update(parts.actor.update(kept, parts.loss_spec, mini_batch_size=mb, epochs=cfg.trainer.ppo_epochs,
-                                          temperature=max(r.temperature, 1e-6), generator=parts.torch_gen))
+                                          temperature=r.temperature, generator=parts.torch_gen))
         if parts.critic is not None:
             metrics.update(parts.update_critic({**kept, "returns": returns[keep], "values": values[keep]}))
     t["update"] = time.perf_counter() - t0
@@ -208,6 +215,24 @@ def train(cfg: Config) -> TrainResult:
     acc = warm_acc
     bar = progress_bar(range(1, cfg.trainer.total_steps + 1), desc="GRPO" if cfg.algo.adv_estimator == "grpo"
                        else cfg.algo.adv_estimator, enabled=cfg.logging.progress)
+    try:
+        acc = _rl_phase(parts, cfg, bar, rng, acc)
+    finally:
+        parts.log.close()
+        parts.reward.close()
+    if cfg.logging.plot:
+        plot_curves(parts.log.rows, run_dir / "curves.png", warm_start_accuracy=warm_acc)
+    if cfg.trainer.save_checkpoint:
+        parts.save_checkpoint(config_yaml=config_to_yaml(cfg), step=cfg.trainer.total_steps)
+    seconds = time.perf_counter() - t_start
+    parts.console(f"done in {seconds:.0f}s: accuracy {warm_acc:.3f} (warm start) -> {acc:.3f} (final); "
+                  f"outputs in {run_dir}")
+    return TrainResult(run_dir=run_dir, warm_start_accuracy=warm_acc, final_accuracy=acc,
+                       history=parts.log.rows, seconds=seconds)
+
+
+def _rl_phase(parts: RunParts, cfg: Config, bar, rng: random.Random, acc: float) -> float:
+    """The RL steps with periodic eval and checkpoints; returns the last eval accuracy."""
     for step in bar:
         metrics = rl_step(parts, cfg, step, rng)
         if step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
@@ -217,17 +242,10 @@ def train(cfg: Config) -> TrainResult:
                           f"kl {metrics.get('actor/kl', 0.0):.4f}  {metrics['perf/tokens_per_s']:.0f} tok/s")
         parts.log.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{acc:.2f}")
-    if cfg.logging.plot:
-        plot_curves(parts.log.rows, run_dir / "curves.png", warm_start_accuracy=warm_acc)
-    if cfg.trainer.save_checkpoint:
-        parts.save_checkpoint(config_yaml=config_to_yaml(cfg))
-    parts.log.close()
-    parts.reward.close()
-    seconds = time.perf_counter() - t_start
-    parts.console(f"done in {seconds:.0f}s: accuracy {warm_acc:.3f} (warm start) -> {acc:.3f} (final); "
-                  f"outputs in {run_dir}")
-    return TrainResult(run_dir=run_dir, warm_start_accuracy=warm_acc, final_accuracy=acc,
-                       history=parts.log.rows, seconds=seconds)
+        every = cfg.trainer.save_every
+        if every and step % every == 0 and step != cfg.trainer.total_steps:
+            parts.save_checkpoint(config_yaml=config_to_yaml(cfg), step=step)
+    return acc
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -53,7 +53,13 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, warm_start_accuracy: 
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     steps = [r["step"] for r in rows if "reward/mean" in r]
-    ax.plot(steps, [r["reward/mean"] for r in rows if "reward/mean" in r], label="train reward (mean)", alpha=0.8)
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    ax.plot(steps, rewards, label="train reward (batch mean)", alpha=0.35, lw=1)
+    if len(rewards) >= 10:
+        k = max(5, len(rewards) // 20)  # moving average over ~5% of the run
+        smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(steps, smooth, c="C0", lw=2, label=f"train reward ({k}-step mean)")
     ev = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     if ev:
         ax.plot([s for s, _ in ev], [a for _, a in ev], "o-", label="held-out accuracy (greedy)")

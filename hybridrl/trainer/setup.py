@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -62,10 +63,14 @@ class RunParts:
         c = self.actor.model.config
         return f"{c.model_type}, {n / 1e6:.2f}M params, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
 
-    def save_checkpoint(self, *, config_yaml: str) -> Path:
+    @property
+    def device(self) -> torch.device:
+        return next(self.actor.model.parameters()).device
+
+    def save_checkpoint(self, *, config_yaml: str, step: int) -> Path:
         from hybridrl.trainer.checkpoint import save_checkpoint_atomic
 
-        path = save_checkpoint_atomic(self.actor.model, self.tokenizer, self.run_dir / "checkpoint",
+        path = save_checkpoint_atomic(self.actor.model, self.tokenizer, self.run_dir / "checkpoint", step=step,
                                       extra_files={"hybridrl_config.yaml": config_yaml})
         if self.critic is not None:
             self.critic.save_pretrained(self.run_dir / "critic")
@@ -179,9 +184,11 @@ def build_run(cfg: Config, console: Callable[[str], None] | None = None) -> RunP
         train_set, eval_set, sft = _arithmetic_data(cfg, tokenizer)
     run_dir = Path(t.output_dir) / t.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl",):
+    # a reused run name starts clean: old metrics and event files would mix into the new curves
+    for stale in ("metrics.jsonl", "curves.png"):
         if (run_dir / stale).exists():
             os.remove(run_dir / stale)
+    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
     max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
     engine = RolloutEngine(model.config, max_batch_size=min(t.prompts_per_step * cfg.rollout.n, 256),
                            max_seq_len=max_prompt + cfg.rollout.max_tokens, dtype=dtype, device=t.device,

@@ -36,6 +36,11 @@ def _flaky(response, answer, prompt):
         return "yes"
     if response == "nan":
         return float("nan")
+    if response == "inf":
+        return float("inf")
+    if response == "slow":
+        time.sleep(0.3)
+        return 1.0
     return 1.0 if response == answer else 0.0
 
 
@@ -48,7 +53,25 @@ def test_failures_cost_only_their_sample():
     assert time.perf_counter() - t0 < 4  # the hung call was abandoned, not awaited
     assert batch.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert batch.failures["timeout"] == 1 and batch.failures["raised RuntimeError"] == 1
-    assert batch.failures["non-numeric result"] == 2
-    # the pool is usable afterwards
-    assert runner.score(["5"], ["5"], [""]).scores == [1.0]
+    assert batch.failures["non-numeric or non-finite result"] == 2
+    # the runner is usable afterwards
+    assert runner.score(["5", "inf"], ["5", "1"], ["", ""]).scores == [1.0, 0.0]
     runner.close()
+
+
+def test_timeout_is_per_call_not_per_batch():
+    # 16 calls of 0.3 s on 4 workers take ~1.2 s in all, each well under its 1 s limit
+    runner = RewardRunner(_flaky, timeout_s=1.0, workers=4)
+    batch = runner.score(["slow"] * 16, ["1"] * 16, [""] * 16)
+    assert batch.scores == [1.0] * 16 and not batch.failures
+
+
+def test_hung_reward_does_not_block_exit(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom hybridrl.rewards import RewardRunner\n"
+            "r = RewardRunner(lambda *a: time.sleep(60), timeout_s=0.2)\n"
+            "print(r.score(['x'], [None], ['']).failures['timeout'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "1"

@@ -36,7 +36,19 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
 
     monkeypatch.setattr(type(tok), "save_pretrained", boom)
     with pytest.raises(OSError):
-        save_checkpoint_atomic(model2, tok, tmp_path / "ckpt")
+        save_checkpoint_atomic(model2, tok, tmp_path / "ckpt", step=5)
     after = AutoModelForCausalLM.from_pretrained(path).state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp dirs left behind
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0"]  # no temp dirs left behind
+
+
+def test_new_save_repoints_and_prunes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, tok = _model(1)
+    save_checkpoint_atomic(model, tok, tmp_path / "ckpt", step=1)
+    model2, _ = _model(2)
+    path = save_checkpoint_atomic(model2, tok, tmp_path / "ckpt", step=2)
+    again = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    assert all(torch.equal(again[k], v) for k, v in model2.state_dict().items())
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-2"]
