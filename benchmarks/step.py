@@ -92,7 +92,7 @@ class OursSide:
         self.steps: list[dict[str, float]] = []
 
     def step(self) -> dict[str, float]:
-        from hybridrl.trainer.loop import rl_step
+        from hybridrl.trainer.rl_step import rl_step
 
         t0 = time.perf_counter()
         m = rl_step(self.parts, self.cfg, len(self.steps) + 1, self.rng)

@@ -184,7 +184,7 @@ class TrainerConfig:
     mini_batch_size: int = _f(256, "responses per optimizer step (must divide the batch; = batch: on-policy, no old-log-prob pass)")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
     max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
-    sft_steps: int = _f(400, "supervised warm-start steps before RL (0 = none)")
+    sft_steps: int = _f(250, "supervised warm-start steps before RL (0 = none)")
     sft_batch_size: int = _f(64, "warm-start batch size")
     eval_every: int = _f(25, "evaluate held-out accuracy every k RL steps")
     seed: int = _f(0, "seed for model init, sampling and shuffling")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: str = "cpu") -> tuple[int, object]:

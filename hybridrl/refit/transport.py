@@ -8,7 +8,6 @@ uses while quantizing (see ``hybridrl.quant.fp8``).
 """
 from __future__ import annotations
 
-from typing import Iterable
 
 import torch
 
