@@ -58,13 +58,23 @@ class RefitStats:
         return self.bytes_moved / max(self.seconds, 1e-12) / 1e9
 
 
+def _layout_of(engine) -> NameLayout:
+    """The engine's name layout, built once per engine (it depends only on the engine's
+    fixed parameters, whose addresses never change)."""
+    layout = getattr(engine, "_refit_name_layout", None)
+    if layout is None:
+        layout = NameLayout(engine)
+        engine._refit_name_layout = layout
+    return layout
+
+
 class Refit:
     """One refit of ``engine``. Use ``refit_session(engine)`` or call the steps yourself."""
 
     def __init__(self, engine, *, verify: bool = False):
         self.engine, self.verify = engine, verify
         self.state = State.NEW
-        self.layout = NameLayout(engine)
+        self.layout = _layout_of(engine)
         self.written: set[str] = set()
         self.bytes = 0
         self._sent: dict[str, tuple[float, float]] = {}

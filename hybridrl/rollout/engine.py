@@ -66,11 +66,15 @@ class RolloutEngine:
         return loaded
 
     def expected_weight_names(self) -> set[str]:
-        return set(self.model.hf_weight_names())
+        # the name set is fixed at construction: compute it once (refit validates often)
+        if getattr(self, "_expected_names", None) is None:
+            self._expected_names = frozenset(self.model.hf_weight_names())
+        return set(self._expected_names)
 
     def weight_spec(self, hf_name: str) -> tuple[torch.Size, torch.dtype]:
         """(HF shape before fusion, engine dtype) of the tensor the trainer must send for `hf_name`."""
-        if hf_name not in self.expected_weight_names():
+        self.expected_weight_names()
+        if hf_name not in self._expected_names:
             raise ValueError(f"weight_spec: {hf_name!r} is not a weight of this rollout model")
         name, shard_id = self.model.resolve(hf_name)
         module_name, leaf = name.rsplit(".", 1)

@@ -78,22 +78,43 @@ class RunParts:
 
     @torch.no_grad()
     def critic_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Old values ``[B, L]`` (0 outside the response), in token-budget micro-batches."""
+        from hybridrl.attention.packing import make_microbatches
+
         self.critic.eval()
-        return self.critic.values(batch["input_ids"], batch["attention_mask"]) * batch["response_mask"]
+        out = torch.zeros_like(batch["response_mask"])
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        for rows in make_microbatches(lengths, self.cfg.trainer.max_tokens_per_microbatch):
+            width = max(lengths[i] for i in rows)
+            v = self.critic.values(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width])
+            out[rows, :width] = v * batch["response_mask"][rows, :width]
+        return out
 
     def update_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One pass of clipped value regression over the batch (one optimizer step)."""
+        """One optimizer step of clipped value regression over the batch, accumulated over
+        token-budget micro-batches with the whole batch's normalizer."""
+        from hybridrl.attention.packing import make_microbatches
+
         self.critic.train()
-        vpreds = self.critic.values(batch["input_ids"], batch["attention_mask"])
         a = self.cfg.algo
-        loss, m = algos.compute_value_loss(vpreds, batch["returns"], batch["values"], batch["response_mask"],
-                                           cliprange_value=a.cliprange_value, loss_agg_mode="token-mean")
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        micros = make_microbatches(lengths, self.cfg.trainer.max_tokens_per_microbatch)
+        info = algos.GlobalBatchInfo.from_masks([batch["response_mask"][m] for m in micros])
         self.critic_opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total, clipfrac = 0.0, 0.0
+        for rows in micros:
+            width = max(lengths[i] for i in rows)
+            mb = {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}
+            vpreds = self.critic.values(mb["input_ids"], mb["attention_mask"])
+            loss, m = algos.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                               cliprange_value=a.cliprange_value, loss_agg_mode="token-mean",
+                                               global_batch_info=info)
+            loss.backward()
+            total += float(loss.detach())
+            clipfrac += float(m["vf_clipfrac"]) * len(rows) / len(lengths)
         gn = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.optim.grad_clip)
         self.critic_opt.step()
-        return {"critic/vf_loss": float(loss.detach()), "critic/grad_norm": float(gn),
-                **{f"critic/{k}": float(v) for k, v in m.items()}}
+        return {"critic/vf_loss": total, "critic/grad_norm": float(gn), "critic/vf_clipfrac": clipfrac}
 
     def greedy_baselines(self, prompts: list[list[int]], answers: list[Any], prompt_texts: list[str],
                          index: list[int]) -> torch.Tensor:
