@@ -179,14 +179,14 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    total_steps: int = _f(300, "GRPO steps (one rollout batch each)")
+    total_steps: int = _f(800, "GRPO steps (one rollout batch each)")
     prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
-    mini_batch_size: int = _f(256, "responses per optimizer step (must divide the batch; = batch: on-policy, no old-log-prob pass)")
+    mini_batch_size: int | None = _f(None, "responses per optimizer step (must divide the batch); null = the whole batch: on-policy, no old-log-prob pass")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
     max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
     sft_steps: int = _f(250, "supervised warm-start steps before RL (0 = none)")
     sft_batch_size: int = _f(64, "warm-start batch size")
-    eval_every: int = _f(25, "evaluate held-out accuracy every k RL steps")
+    eval_every: int = _f(50, "evaluate held-out accuracy every k RL steps")
     seed: int = _f(0, "seed for model init, sampling and shuffling")
     device: str = _f("cpu", "cpu | cuda | cuda:N")
     threads: int = _f(0, "torch CPU threads; 0 = all cores")
@@ -198,7 +198,9 @@ class TrainerConfig:
     refit_verify: bool = _f(False, "check engine addresses and checksums after every refit")
 
     def __post_init__(self) -> None:
-        for key in ("prompts_per_step", "mini_batch_size", "ppo_epochs", "eval_every", "sft_batch_size",
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ConfigError(f"trainer.mini_batch_size={self.mini_batch_size}: must be >= 1 (or null = whole batch)")
+        for key in ("prompts_per_step", "ppo_epochs", "eval_every", "sft_batch_size",
                     "max_tokens_per_microbatch", "refit_bucket_mb"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= 1")
@@ -229,6 +231,8 @@ class Config:
 
     def __post_init__(self) -> None:
         batch = self.trainer.prompts_per_step * self.rollout.n
+        if self.trainer.mini_batch_size is None:
+            self.trainer.mini_batch_size = batch
         if batch % self.trainer.mini_batch_size:
             raise ConfigError(
                 f"trainer.mini_batch_size={self.trainer.mini_batch_size} does not divide the batch "
