@@ -182,7 +182,10 @@ def build_run(cfg: Config, console: Callable[[str], None] | None = None) -> RunP
     from hybridrl.trainer.metrics_log import MetricsLog
     from hybridrl.trainer.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
 
-    console = console or (lambda s: print(s, flush=True))
+    if console is None:
+        from tqdm.auto import tqdm
+
+        console = tqdm.write  # prints above an active progress bar instead of through it
     t, m = cfg.trainer, cfg.model
     if t.threads > 0:
         torch.set_num_threads(t.threads)
