@@ -1,0 +1,21 @@
+"""PPO with a critic (GAE) on the default task: held-out accuracy rises (slow, ~1 min)."""
+
+import pytest
+
+from hybridrl.config import load_config
+from hybridrl.trainer.loop import train
+
+
+@pytest.mark.slow
+def test_ppo_with_critic_raises_accuracy(tmp_path):
+    cfg = load_config(None, [
+        "algo.adv_estimator=gae", "algo.lam=0.95", "trainer.total_steps=100", "trainer.eval_every=50",
+        "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
+        "trainer.save_checkpoint=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=ppo",
+    ])
+    result = train(cfg)
+    critic_rows = [r for r in result.history if "critic/vf_loss" in r]
+    assert len(critic_rows) == 100
+    # measured here: 0.109 after the warm start -> 0.18 after 50 steps
+    assert result.final_accuracy > result.warm_start_accuracy + 0.04, (result.warm_start_accuracy,
+                                                                      result.final_accuracy)
