@@ -9,13 +9,11 @@ from hybridrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from hybridrl.config import load_config
 from hybridrl.trainer.loop import train
 
-TINY = [
-    "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-    "model.num_key_value_heads=1", "model.intermediate_size=64",
-    "data.train_size=200", "data.eval_size=8", "rollout.n=4", "rollout.max_tokens=4",
-    "trainer.prompts_per_step=4", "trainer.mini_batch_size=16", "trainer.sft_steps=3", "trainer.sft_batch_size=8",
-    "trainer.total_steps=2", "trainer.eval_every=2", "logging.progress=false", "logging.tensorboard=false",
-    "logging.plot=false", "trainer.save_checkpoint=false",
+from _tiny import TINY_MODEL
+
+TINY = TINY_MODEL + [
+    "data.train_size=200", "data.eval_size=8", "trainer.sft_steps=3", "trainer.total_steps=2",
+    "trainer.eval_every=2", "logging.tensorboard=false", "logging.plot=false", "trainer.save_checkpoint=false",
 ]
 
 

@@ -8,12 +8,13 @@ import torch
 from hybridrl.config import load_config
 from hybridrl.trainer.loop import train
 
-TINY = [
-    "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-    "model.num_key_value_heads=1", "model.intermediate_size=64",
-    "data.train_size=300", "data.eval_size=16", "rollout.n=4", "rollout.max_tokens=4",
-    "trainer.prompts_per_step=4", "trainer.mini_batch_size=8", "trainer.sft_steps=5", "trainer.sft_batch_size=8",
-    "trainer.total_steps=3", "trainer.eval_every=2", "logging.progress=false", "trainer.refit_verify=true",
+from _tiny import TINY_MODEL
+
+# mini_batch_size=8 of a 16-row batch: two optimizer steps per RL step, so the off-policy
+# path (separate old-log-prob pass) runs here; test_algorithms_e2e covers on-policy.
+TINY = TINY_MODEL + [
+    "data.train_size=300", "data.eval_size=16", "trainer.mini_batch_size=8", "trainer.sft_steps=5",
+    "trainer.total_steps=3", "trainer.eval_every=2", "trainer.refit_verify=true",
 ]
 
 
