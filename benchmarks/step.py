@@ -59,7 +59,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, parse_args, report, row  # noqa: E402
 
-from hybridrl.config import Config, build_config  # noqa: E402
+from hybridrl.config import Config  # noqa: E402
+from hybridrl.config_io import build_config  # noqa: E402
 
 WARMUP_STEPS = 1
 OURS_PHASES = ("rollout", "reward", "log_probs", "update", "refit")

@@ -12,7 +12,7 @@ _LAZY = {
     "SamplingParams": "hybridrl.rollout",
     "Rollouts": "hybridrl.rollout",
     "Config": "hybridrl.config",
-    "load_config": "hybridrl.config",
+    "load_config": "hybridrl.config_io",
     "train": "hybridrl.trainer.loop",
     "refit_from_model": "hybridrl.refit",
     "refit_session": "hybridrl.refit",

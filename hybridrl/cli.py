@@ -8,7 +8,7 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hybridrl.config import load_config
+    from hybridrl.config_io import load_config
     from hybridrl.trainer.loop import train
 
     cfg = load_config(args.config, args.overrides)
@@ -17,7 +17,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from hybridrl.config import config_to_yaml, load_config
+    from hybridrl.config_io import config_to_yaml, load_config
 
     print(config_to_yaml(load_config(args.config, args.overrides)), end="")
     return 0
@@ -42,7 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybridrl.config import help_text
+    from hybridrl.config_io import help_text
 
     p = argparse.ArgumentParser(prog="hybridrl", description="RL post-training of language models on a hybrid engine.")
     sub = p.add_subparsers(dest="command", required=True)

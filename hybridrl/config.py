@@ -3,8 +3,7 @@
 Every field carries a one-line doc in ``metadata["help"]`` (shown by ``hybridrl train
 --help``). Validation happens before any work: wrong values and impossible combinations
 raise :class:`ConfigError`, a one-line ``ValueError`` that names the key and the fix.
-Reading YAML and dotted overrides (unknown keys, types) lives in ``config_io.py``; the
-loaders are re-exported here so ``from hybridrl.config import load_config`` works.
+Reading YAML and dotted overrides (unknown keys, types) lives in ``config_io.py``.
 """
 
 from __future__ import annotations
@@ -244,10 +243,3 @@ GROUPS: dict[str, type] = typing.get_type_hints(Config)
 
 
 
-
-from hybridrl.config_io import (build_config, config_to_yaml, help_text, load_config,  # noqa: E402
-                                parse_overrides, to_dict)
-
-__all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "RewardConfig", "RolloutConfig", "AlgoConfig",
-           "OptimConfig", "TrainerConfig", "LoggingConfig", "GROUPS", "build_config", "config_to_yaml",
-           "help_text", "load_config", "parse_overrides", "to_dict"]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.config import Config, config_to_yaml
+from hybridrl.config import Config
+from hybridrl.config_io import config_to_yaml
 from hybridrl.trainer.progress import progress_bar
 from hybridrl.trainer.rl_step import rl_step
 from hybridrl.trainer.setup import RunParts, attach_reference, build_run

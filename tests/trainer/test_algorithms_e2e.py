@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hybridrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
-from hybridrl.config import load_config
+from hybridrl.config_io import load_config
 from hybridrl.trainer.loop import train
 
 from _tiny import TINY_MODEL

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hybridrl.config import load_config
+from hybridrl.config_io import load_config
 from hybridrl.trainer.loop import train
 
 from _tiny import TINY_MODEL

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridrl.config import load_config
+from hybridrl.config_io import load_config
 from hybridrl.trainer.loop import train
 
 
