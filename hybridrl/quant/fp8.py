@@ -94,6 +94,27 @@ def expand_scale(scale: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
     return s.repeat_interleave(BLOCK, dim=1)[:, :n_cols]
 
 
+_FP8_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def fp8_to_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.to(float32)`` for an fp8 tensor, via a 256-entry table on CPU.
+
+    The table holds the float32 value of every byte pattern of ``x.dtype`` (computed by
+    torch's own cast, so the result is bitwise identical, NaNs included); a byte-indexed
+    gather is ~1.8x faster than the CPU cast kernel. Elsewhere this is the plain cast.
+    """
+    if x.device.type != "cpu":
+        return x.to(torch.float32)
+    key = (x.dtype, x.device)
+    table = _FP8_TABLES.get(key)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8).view(x.dtype).to(torch.float32)
+        _FP8_TABLES[key] = table
+    idx = x.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return torch.index_select(table, 0, idx).view(x.shape)
+
+
 def dequantize_(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``weight * scale`` (computed in float32, then cast) into ``out`` in place.
 
@@ -106,7 +127,7 @@ def dequantize_(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) ->
     block = not (scale.shape[1] == 1 and scale.shape[0] == n_rows)
     for r0 in range(0, n_rows, ROWS_PER_STRIPE):
         r1 = min(r0 + ROWS_PER_STRIPE, n_rows)
-        y = weight[r0:r1].to(torch.float32)  # (R, K)
+        y = fp8_to_float32(weight[r0:r1])  # (R, K)
         if block:
             s = scale[r0 // BLOCK].repeat_interleave(BLOCK)[:n_cols].unsqueeze(0)  # (1, K)
         else:
