@@ -26,8 +26,9 @@ test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install
+	mkdir -p bench_out
 	$(BIN)/pip install -e ".[bench]"
-	for b in benchmarks/*.py; do $(BIN)/python $$b --quick || exit 1; done
+	for b in benchmarks/[a-z]*.py; do $(BIN)/python $$b --quick --json bench_out/$$(basename $$b .py).json || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs
