@@ -127,6 +127,7 @@ class AlgoConfig:
     mismatch_seq_upper: float | None = _f(None, "mask sequences whose trainer/rollout geometric-mean ratio exceeds this; None = off")
     mismatch_seq_lower: float | None = _f(None, "lower bound of that ratio (default 1/upper)")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
+    dynamic_sampling_refill_rounds: int = _f(0, "DAPO: extra sampling rounds to refill the batch with informative groups (0 = no refill)")
     overlong_filter: bool = _f(False, "DAPO: mask truncated responses out of the loss")
     overlong_buffer_len: int = _f(0, "DAPO overlong shaping buffer (tokens); 0 = off")
     overlong_penalty_factor: float = _f(1.0, "DAPO overlong penalty at the max length")
@@ -146,6 +147,8 @@ class AlgoConfig:
             raise ConfigError(f"algo.kl_coef={self.kl_coef}: must be >= 0")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"algo.tis_cap={self.tis_cap}: must be > 0 (typical 2.0) or null to disable")
+        if self.dynamic_sampling_refill_rounds < 0 or (self.dynamic_sampling_refill_rounds and not self.dynamic_sampling):
+            raise ConfigError("algo.dynamic_sampling_refill_rounds needs algo.dynamic_sampling=true and a value >= 0")
         if self.mismatch_seq_lower is not None and self.mismatch_seq_upper is None:
             raise ConfigError("algo.mismatch_seq_lower needs algo.mismatch_seq_upper (the masking is off without it)")
         if self.adaptive_kl_target is not None and (self.use_kl_loss or self.kl_coef == 0):

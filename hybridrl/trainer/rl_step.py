@@ -82,6 +82,41 @@ def score(parts, cfg: Config, sb: StepBatch) -> None:
         ).to(parts.device)
 
 
+def merge(parts, a: StepBatch, b: StepBatch) -> StepBatch:
+    """One scored batch from two (rows of ``b`` after ``a``; ``b``'s prompt ids shifted)."""
+    from hybridrl.rollout.rollouts import build_rollouts
+
+    ra, rb = a.rollouts, b.rollouts
+    ro = build_rollouts(ra.prompt_token_ids + rb.prompt_token_ids, ra.response_token_ids + rb.response_token_ids,
+                        ra.response_logprobs + rb.response_logprobs, ra.finish_reasons + rb.finish_reasons,
+                        min(ra.weight_version, rb.weight_version), parts.pad_id)
+    for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
+        setattr(ro, name, getattr(ro, name).to(parts.device))
+    sb = StepBatch(batch_idx=a.batch_idx + b.batch_idx, index=a.index + [i + len(a.batch_idx) for i in b.index],
+                   rollouts=ro, failures=a.failures + b.failures)
+    sb.tensors = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask,
+                  "response_mask": ro.response_mask, "rollout_log_prob": ro.logprobs}
+    sb.raw_scores = torch.cat([a.raw_scores, b.raw_scores])
+    sb.scores = torch.cat([a.scores, b.scores])
+    return sb
+
+
+def sample_and_score(parts, cfg: Config, rng: random.Random) -> tuple[StepBatch, dict[str, float]]:
+    """Sample and score one batch; with DAPO dynamic sampling and refill rounds, keep sampling
+    more prompts until enough groups have differing rewards (or the rounds run out)."""
+    sb = sample(parts, cfg, rng)
+    score(parts, cfg, sb)
+    a, rounds = cfg.algo, 0
+    if a.dynamic_sampling:
+        want = cfg.trainer.prompts_per_step * cfg.rollout.n
+        while rounds < a.dynamic_sampling_refill_rounds and len(algos.dynamic_sampling_keep(sb.raw_scores, sb.index)) < want:
+            extra = sample(parts, cfg, rng)
+            score(parts, cfg, extra)
+            sb = merge(parts, sb, extra)
+            rounds += 1
+    return sb, ({"batch/refill_rounds": float(rounds)} if a.dynamic_sampling else {})
+
+
 def log_probs(parts, cfg: Config, sb: StepBatch) -> dict[str, float]:
     """Old log-probs (only when needed, see :func:`needs_old_log_prob`) and reference log-probs."""
     from hybridrl.trainer.actor import logprobs_in_microbatches
@@ -162,6 +197,8 @@ def update(parts, cfg: Config, sb: StepBatch) -> dict[str, float]:
     if cfg.algo.dynamic_sampling:
         keep = algos.dynamic_sampling_keep(sb.raw_scores, sb.index)
         metrics["batch/kept_fraction"] = len(keep) / len(sb.index)
+        if cfg.algo.dynamic_sampling_refill_rounds > 0:  # DAPO trains on a full batch of kept groups
+            keep = keep[: cfg.trainer.prompts_per_step * cfg.rollout.n]
     if len(keep) == 0:
         return metrics
     kept = {k: v[keep] for k, v in sb.tensors.items()}
@@ -186,8 +223,13 @@ def rl_step(parts, cfg: Config, step: int, rng: random.Random) -> dict[str, floa
             metrics.update(out)
         return out
 
-    sb = timed("rollout", sample, parts, cfg, rng)
-    timed("reward", score, parts, cfg, sb)
+    if cfg.algo.dynamic_sampling and cfg.algo.dynamic_sampling_refill_rounds > 0:
+        sb, extra = timed("rollout", sample_and_score, parts, cfg, rng)  # refills interleave both phases
+        metrics.update(extra)
+        t["reward"] = 0.0
+    else:
+        sb = timed("rollout", sample, parts, cfg, rng)
+        timed("reward", score, parts, cfg, sb)
     timed("log_probs", log_probs, parts, cfg, sb)
     timed("log_probs", advantages, parts, cfg, sb)  # critic values / ReMax baselines count as log-prob work
     metrics.update(corrections(cfg, sb))

@@ -49,3 +49,37 @@ def test_off_policy_corrections_and_dapo_extras_run(tmp_path):
                  must_update=False)  # dynamic sampling may drop every group of an untrained model
     assert "actor/tis_ratio_mean" in steps[0] and "actor/kl_coef" in steps[0]
     assert 0.0 <= steps[0]["batch/kept_fraction"] <= 1.0
+
+
+def test_dynamic_sampling_refill(tmp_path):
+    steps = _run(tmp_path, ["algo.dynamic_sampling=true", "algo.dynamic_sampling_refill_rounds=2",
+                            "trainer.sft_steps=30"], must_update=False)
+    for r in steps:
+        assert 0 <= r["batch/refill_rounds"] <= 2
+        assert 0.0 <= r["batch/kept_fraction"] <= 1.0
+
+
+def test_merge_keeps_rows_and_scores_aligned():
+    import random
+
+    import torch
+
+    from hybridrl.trainer.rl_step import merge, sample, score
+    from hybridrl.trainer.setup import build_run
+
+    cfg = load_config(None, TINY + ["trainer.output_dir=/tmp/hybridrl-test-merge", "trainer.run_name=m"])
+    parts = build_run(cfg, console=lambda s: None)
+    rng = random.Random(3)
+    a, b = sample(parts, cfg, rng), sample(parts, cfg, rng)
+    score(parts, cfg, a)
+    score(parts, cfg, b)
+    m = merge(parts, a, b)
+    n_a = len(a.index)
+    assert m.index == a.index + [i + len(a.batch_idx) for i in b.index]
+    assert torch.equal(m.raw_scores, torch.cat([a.raw_scores, b.raw_scores]))
+    for src, rows in ((a, range(n_a)), (b, range(n_a, len(m.index)))):
+        width = src.rollouts.input_ids.shape[1]
+        for j, i in enumerate(rows):
+            assert torch.equal(m.rollouts.input_ids[i, :width], src.rollouts.input_ids[j])
+            assert torch.equal(m.rollouts.logprobs[i, :width], src.rollouts.logprobs[j])
+            assert m.rollouts.input_ids[i, width:].eq(parts.pad_id).all()
