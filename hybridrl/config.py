@@ -182,6 +182,7 @@ class TrainerConfig:
     mini_batch_size: int | None = _f(None, "responses per optimizer step (must divide the batch); null = the whole batch: on-policy, no old-log-prob pass")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
     max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
+    shared_prefix: bool = _f(True, "run each group's prompt once in the trainer forward (when a mini-batch is one micro-batch)")
     sft_steps: int = _f(250, "supervised warm-start steps before RL (0 = none)")
     sft_batch_size: int = _f(64, "warm-start batch size")
     eval_every: int = _f(50, "evaluate held-out accuracy every k RL steps")

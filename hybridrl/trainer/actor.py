@@ -16,6 +16,7 @@ import torch
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
 from hybridrl.trainer.forward import compute_logprobs_entropy
+from hybridrl.trainer.shared_prefix import shared_prefix_logprobs_entropy
 
 
 @dataclass(kw_only=True)
@@ -40,8 +41,10 @@ def warmup_lambda(warmup_steps: int):
 
 class Actor:
     def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0,
-                 warmup_steps: int = 0, grad_clip: float = 1.0, max_tokens_per_microbatch: int = 8192):
+                 warmup_steps: int = 0, grad_clip: float = 1.0, max_tokens_per_microbatch: int = 8192,
+                 shared_prefix: bool = True):
         self.model = model
+        self.shared_prefix = shared_prefix
         self.grad_clip = grad_clip
         self.max_tokens = max_tokens_per_microbatch
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
@@ -85,7 +88,10 @@ class Actor:
 
     def _mini_batch_step(self, mb: dict[str, torch.Tensor], spec: PolicyLossSpec, temperature: float):
         lengths = mb["attention_mask"].sum(-1)
-        micros = self._micro(lengths)
+        # Shared-prefix forward when rows carry their group and the mini-batch is one
+        # micro-batch (groups must stay together); else token-budgeted padded micro-batches.
+        shared = self.shared_prefix and "group" in mb and int(lengths.sum()) <= self.max_tokens
+        micros = [list(range(len(lengths)))] if shared else self._micro(lengths)
         masks = [mb["response_mask"][m] for m in micros]
         info = algos.GlobalBatchInfo.from_masks(masks)
         agg = dict(loss_agg_mode=spec.loss_agg_mode, global_batch_info=info, loss_scale_factor=spec.loss_scale_factor)
@@ -96,9 +102,14 @@ class Actor:
         total_w = max(sum(weights), 1.0)
         for rows, w in zip(micros, weights):
             micro = _trim({k: v[rows] for k, v in mb.items()})
-            log_prob, entropy = compute_logprobs_entropy(
-                self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
-                temperature=temperature, compute_entropy=True)
+            if shared:
+                log_prob, entropy = shared_prefix_logprobs_entropy(
+                    self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
+                    micro["prompt_len"], micro["group"], temperature=temperature)
+            else:
+                log_prob, entropy = compute_logprobs_entropy(
+                    self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
+                    temperature=temperature, compute_entropy=True)
             # On-policy fast path: without a separate old-log-prob pass, the policy that
             # sampled is the one being updated, so old = current (detached), ratio = 1.
             old_log_prob = micro.get("old_log_prob", log_prob.detach())

@@ -61,9 +61,17 @@ def sample(parts, cfg: Config, rng: random.Random) -> StepBatch:
     for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
         setattr(ro, name, getattr(ro, name).to(parts.device))
     sb = StepBatch(batch_idx=batch_idx, index=[i for i in range(len(batch_idx)) for _ in range(r.n)], rollouts=ro)
-    sb.tensors = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask,
-                  "response_mask": ro.response_mask, "rollout_log_prob": ro.logprobs}
+    sb.tensors = _row_tensors(ro, sb.index, parts.device)
     return sb
+
+
+def _row_tensors(ro, index: list[int], device) -> dict[str, torch.Tensor]:
+    """What the update reads per row: ``[B, L]`` tensors, plus ``prompt_len`` and ``group``
+    ``[B]`` so the trainer can run each group's shared prompt once."""
+    return {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "response_mask": ro.response_mask,
+            "rollout_log_prob": ro.logprobs,
+            "prompt_len": torch.tensor(ro.prompt_lengths, dtype=torch.long, device=device),
+            "group": torch.tensor(index, dtype=torch.long, device=device)}
 
 
 def score(parts, cfg: Config, sb: StepBatch) -> None:
@@ -94,8 +102,7 @@ def merge(parts, a: StepBatch, b: StepBatch) -> StepBatch:
         setattr(ro, name, getattr(ro, name).to(parts.device))
     sb = StepBatch(batch_idx=a.batch_idx + b.batch_idx, index=a.index + [i + len(a.batch_idx) for i in b.index],
                    rollouts=ro, failures=a.failures + b.failures)
-    sb.tensors = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask,
-                  "response_mask": ro.response_mask, "rollout_log_prob": ro.logprobs}
+    sb.tensors = _row_tensors(ro, sb.index, parts.device)
     sb.raw_scores = torch.cat([a.raw_scores, b.raw_scores])
     sb.scores = torch.cat([a.scores, b.scores])
     return sb

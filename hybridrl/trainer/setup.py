@@ -219,7 +219,8 @@ def build_run(cfg: Config, console: Callable[[str], None] | None = None) -> RunP
                            quantization=cfg.rollout.quantization, enforce_eager=cfg.rollout.enforce_eager)
     a, o = cfg.algo, cfg.optim
     actor = Actor(model, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
-                  grad_clip=o.grad_clip, max_tokens_per_microbatch=t.max_tokens_per_microbatch)
+                  grad_clip=o.grad_clip, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+                  shared_prefix=t.shared_prefix)
     spec = PolicyLossSpec(policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
                           clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, kl_coef=a.kl_coef,
                           kl_estimator=a.kl_estimator, use_kl_loss=a.use_kl_loss, entropy_coeff=a.entropy_coeff,
