@@ -177,7 +177,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    total_steps: int = _f(800, "GRPO steps (one rollout batch each)")
+    total_steps: int = _f(1200, "GRPO steps (one rollout batch each)")
     prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
     mini_batch_size: int | None = _f(None, "responses per optimizer step (must divide the batch); null = the whole batch: on-policy, no old-log-prob pass")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
