@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import re
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import report  # noqa: E402
 
 from hybridrl.attention.masks import npu_fusion_attention_mask
 
@@ -73,12 +77,7 @@ def main():
             case = f"B={batch} S={seq}"
             rows.append(dict(case=case, metric="peak/output", ours=ours[0], baseline=base[0], baseline_name=name, higher_is_better=False))
             rows.append(dict(case=case, metric="seconds", ours=ours[1], baseline=base[1], baseline_name=name, higher_is_better=False))
-    print(f"{'case':<16}{'metric':<14}{'ours':>10}{'baseline':>10}{'ratio':>8}  baseline")
-    for r in rows:
-        print(f"{r['case']:<16}{r['metric']:<14}{r['ours']:>10.3f}{r['baseline']:>10.3f}{r['baseline'] / r['ours']:>7.2f}x  {r['baseline_name']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+    report(rows, args.json)  # table with speedups (> 1 = ours better) and the JSON rows
 
 
 if __name__ == "__main__":

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
+import sys
+from pathlib import Path
 import re
 import time
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import report  # noqa: E402
 import transformers
 
 from hybridrl.attention.packing import make_microbatches, padding_fraction
@@ -126,13 +130,7 @@ def main():
     torch.set_num_threads(2)
     rows = throughput(batch=16 if args.quick else 32, repeats=1 if args.quick else 2, budget=4096)
     rows += memory(n_tokens=2048 if args.quick else 8192, vocab=32768)
-    print(f"{'case':<28}{'metric':<26}{'ours':>10}{'baseline':>10}{'ratio':>8}  baseline")
-    for r in rows:
-        ratio = r["ours"] / r["baseline"] if r["higher_is_better"] else r["baseline"] / r["ours"]
-        print(f"{r['case']:<28}{r['metric']:<26}{r['ours']:>10.1f}{r['baseline']:>10.1f}{ratio:>7.2f}x  {r['baseline_name']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+    report(rows, args.json)  # table with speedups (> 1 = ours better) and the JSON rows
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass, field
@@ -118,10 +117,3 @@ def _rl_phase(parts: RunParts, cfg: Config, bar, rng: random.Random, acc: float)
         if every and step % every == 0 and step != cfg.trainer.total_steps:
             parts.save_checkpoint(config_yaml=config_to_yaml(cfg), step=step)
     return acc
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref

@@ -25,6 +25,10 @@ class PromptSet:
     answers: list[Any] = field(default_factory=list)
     prompt_texts: list[str] = field(default_factory=list)
 
+    def subset(self, idx: list[int]) -> "PromptSet":
+        return PromptSet([self.prompts[i] for i in idx], [self.answers[i] for i in idx],
+                         [self.prompt_texts[i] for i in idx])
+
 
 @dataclass
 class RunParts:
@@ -168,11 +172,7 @@ def _file_data(cfg: Config, tokenizer, console) -> tuple[PromptSet, PromptSet]:
     n_eval = min(d.eval_size, max(1, len(order) // 20))
     ev_idx, tr_idx = order[:n_eval], order[n_eval:] or order
 
-    def pick(idx):
-        return PromptSet([train.prompts[i] for i in idx], [train.answers[i] for i in idx],
-                         [train.prompt_texts[i] for i in idx])
-
-    return pick(tr_idx), pick(ev_idx)
+    return train.subset(tr_idx), train.subset(ev_idx)
 
 
 def build_run(cfg: Config, console: Callable[[str], None] | None = None) -> RunParts:
@@ -241,8 +241,6 @@ def build_run(cfg: Config, console: Callable[[str], None] | None = None) -> RunP
 
 def attach_reference(parts: RunParts) -> None:
     """Freeze a copy of the current policy as the KL reference (after the warm start)."""
-    from hybridrl.trainer.loop import frozen_copy
-
     a = parts.cfg.algo
     if a.kl_coef <= 0:
         return
@@ -252,3 +250,13 @@ def attach_reference(parts: RunParts) -> None:
                                                    horizon=a.kl_horizon)
     else:
         parts.kl_ctrl = algos.FixedKLController(kl_coef=a.kl_coef)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A no-grad, eval-mode deep copy (the KL reference policy)."""
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref

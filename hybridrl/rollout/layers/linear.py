@@ -25,25 +25,28 @@ Biases are never quantized; the layer loads them itself with the same shard slic
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class LinearMethodBase:
-    def create_weights(self, layer: "LinearBase", dtype: torch.dtype, device: torch.device) -> None:
-        raise NotImplementedError
+class LinearMethodBase(ABC):
+    """The interface in the module docstring; subclasses implement the abstract methods."""
 
+    @abstractmethod
+    def create_weights(self, layer: "LinearBase", dtype: torch.dtype, device: torch.device) -> None: ...
+
+    @abstractmethod
     def weight_loader(self, layer: "LinearBase", param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: str | int | None = None) -> None:
-        raise NotImplementedError
+                      shard_id: str | int | None = None) -> None: ...
 
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
         pass
 
-    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor: ...
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
