@@ -67,15 +67,22 @@ def varlen_attention(
         return _flash_varlen_func()(
             q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, softmax_scale=scale, causal=True
         )
-    out = torch.empty_like(q)
+    # CPU / no flash-attn: one SDPA call per sequence. Inputs stay 4-D ([1, H, L, D]):
+    # torch's CPU flash kernel (causal blocks skipped, GQA native) only serves 4-D
+    # inputs; 3-D ones fall to the math path, which materialises L×L scores and runs
+    # 2x slower forward. Sequences are cut with one ``split`` and joined with one
+    # ``cat``: their backwards are one concat / one slice per piece, where per-sequence
+    # slicing or slice-assignment would each cost a full-size gradient per sequence.
     bounds = cu_seqlens.tolist()  # host copy once per call; fallback path
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     gqa = q.shape[1] != k.shape[1]
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
+    pieces = []
+    for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        if q_i.shape[0] == 0:
             continue
-        q_i, k_i, v_i = (t[start:end].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
+        q_i, k_i, v_i = (t.transpose(0, 1).unsqueeze(0) for t in (q_i, k_i, v_i))  # (1, H, L, D)
         o_i = F.scaled_dot_product_attention(
             q_i, k_i, v_i, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
         )
-        out[start:end] = o_i.transpose(0, 1)  # (L, H, D)
-    return out
+        pieces.append(o_i[0].transpose(0, 1))  # (L, H, D)
+    return torch.cat(pieces) if pieces else torch.empty_like(q)
