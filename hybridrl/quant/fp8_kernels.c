@@ -1,0 +1,172 @@
+/* Fused CPU kernels for FP8 (e4m3fn) weight quantization and dequantization.
+ *
+ * Built on first use by hybridrl/quant/native.py (the system C compiler, no torch
+ * headers) and called through ctypes, which releases the GIL: the Python side splits
+ * rows across threads. Each function does in one pass over memory what the torch path
+ * in fp8.py does in four to six (upcast, abs, amax, divide, clamp, cast; table lookup,
+ * multiply, downcast), and produces bitwise the same bytes: the tests compare both.
+ *
+ * Numerics (must match torch exactly: no -ffast-math; -fno-trapping-math only lets the
+ * compiler if-convert the selects, it changes no result):
+ *   scale  = max(amax, 1e-12f) / 448.0f              (float32 divide)
+ *   q      = e4m3fn(clamp(x / scale, -448, 448))     (float32 divide, round to nearest even)
+ *   dequant= out_dtype((float32)q * scale)            (bf16: round to nearest even)
+ * Conversions are written branch-free (selects) so the compiler can vectorize them.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define FP8_MAX 448.0f
+#define TINY 1e-12f
+#define BLOCK 128
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* float32 -> e4m3fn byte, round to nearest even, saturating as torch's CPU cast:
+ * |x| >= 448 (inf included) -> +-448 (0x7E), NaN -> 0x7F (sign kept). */
+static inline uint8_t f32_to_e4m3fn(float x) {
+    int32_t u = (int32_t)f2u(x);
+    int32_t a = u & 0x7FFFFFFF;  /* |x| bits; signed compares are exact below 2^31 and cheap */
+    /* Let the FPU round: adding C = 2^(e+20), e = max(exponent of |x|, -6), puts the sum's
+     * last mantissa bit at 2^(e-3) — the e4m3 spacing at that exponent (2^-9 in the
+     * subnormal range) — so C + |x| = C + m * 2^(e-3) with m rounded to nearest even, and
+     * m (0..16) is the low bits of the sum. The code is then exponent * 8 + m. */
+    int32_t ex = (a >> 23) > 121 ? (a >> 23) : 121;
+    int32_t c_bits = (ex + 20) << 23;
+    int32_t m = (int32_t)f2u(u2f((uint32_t)c_bits) + u2f((uint32_t)a)) - c_bits;
+    int32_t r = ((ex - 121) << 3) + m;
+    r = a >= 0x43E00000 ? 0x7E : r;  /* saturate at 448, inf included */
+    r = a > 0x7F800000 ? 0x7F : r;   /* NaN */
+    return (uint8_t)(r | ((u >> 24) & 0x80));
+}
+
+/* e4m3fn byte -> float32 (exact). 0x7F / 0xFF are NaN (bits 0x7FF00000, as torch). */
+static inline float e4m3fn_to_f32(uint8_t b) {
+    uint32_t em = b & 0x7Fu;
+    uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    uint32_t nrm = (em << 20) + (120u << 23);
+    uint32_t sub = f2u((float)em * (1.0f / 512.0f));
+    uint32_t r = em < 8u ? sub : nrm;
+    r = em == 0x7Fu ? 0x7FF00000u : r;
+    return u2f(r | sign);
+}
+
+/* float32 -> bfloat16 bits, round to nearest even; NaN -> a quiet NaN (0x7FC0). */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t u = f2u(x);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)r;
+}
+
+/* |x| bit patterns order like |x| for non-NaN floats, so amax is an integer max, which
+ * vectorizes without -ffast-math (a float max reduction does not). NaN sorts above inf. */
+static inline float amax_f32(const float *restrict x, int64_t n) {
+    const uint32_t *restrict u = (const uint32_t *)x;
+    uint32_t m = 0;
+    for (int64_t c = 0; c < n; c++) { uint32_t a = u[c] & 0x7FFFFFFFu; m = a > m ? a : m; }
+    return u2f(m);
+}
+
+static inline float amax_bf16(const uint16_t *restrict x, int64_t n) {
+    uint16_t m = 0;
+    for (int64_t c = 0; c < n; c++) { uint16_t a = x[c] & 0x7FFFu; m = a > m ? a : m; }
+    return u2f((uint32_t)m << 16);
+}
+
+static inline float clamp_fp8(float y) { return y < -FP8_MAX ? -FP8_MAX : (y > FP8_MAX ? FP8_MAX : y); }
+
+static inline void quantize_f32(const float *restrict x, uint8_t *restrict q, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(x[c] / s));
+}
+
+static inline void quantize_bf16(const uint16_t *restrict x, uint8_t *restrict q, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(u2f((uint32_t)x[c] << 16) / s));
+}
+
+static inline float amax_any(const void *src, int src_bf16, int64_t off, int64_t n) {
+    return src_bf16 ? amax_bf16((const uint16_t *)src + off, n) : amax_f32((const float *)src + off, n);
+}
+
+static inline void quantize_any(const void *src, int src_bf16, int64_t off, uint8_t *q, int64_t n, float s) {
+    if (src_bf16) quantize_bf16((const uint16_t *)src + off, q, n, s);
+    else quantize_f32((const float *)src + off, q, n, s);
+}
+
+static inline float scale_of(float amax) { return (amax > TINY ? amax : TINY) / FP8_MAX; }
+
+/* Per-output-channel: rows [r0, r1) of a row-major [N, K] source (row stride src_stride
+ * elements, float32 or bfloat16) into dst (row stride dst_stride bytes); scale[r] per row. */
+void hrl_quantize_channel(const void *src, int src_bf16, int64_t src_stride, uint8_t *dst,
+                          int64_t dst_stride, float *scale, int64_t r0, int64_t r1, int64_t n_cols) {
+    for (int64_t r = r0; r < r1; r++) {
+        float s = scale_of(amax_any(src, src_bf16, r * src_stride, n_cols));
+        scale[r] = s;
+        quantize_any(src, src_bf16, r * src_stride, dst + r * dst_stride, n_cols, s);
+    }
+}
+
+/* 128x128 blocks: row stripes [stripe0, stripe1) (each BLOCK rows, the last may be short)
+ * of an [n_rows, n_cols] source; scale is [ceil(N/128), ceil(K/128)] row-major. */
+void hrl_quantize_block(const void *src, int src_bf16, int64_t src_stride, uint8_t *dst,
+                        int64_t dst_stride, float *scale, int64_t stripe0, int64_t stripe1,
+                        int64_t n_rows, int64_t n_cols) {
+    int64_t n_tiles = (n_cols + BLOCK - 1) / BLOCK;
+    for (int64_t t = stripe0; t < stripe1; t++) {
+        int64_t r_lo = t * BLOCK, r_hi = r_lo + BLOCK < n_rows ? r_lo + BLOCK : n_rows;
+        float *s_row = scale + t * n_tiles;
+        for (int64_t j = 0; j < n_tiles; j++) {
+            int64_t c0 = j * BLOCK, n = (c0 + BLOCK < n_cols ? c0 + BLOCK : n_cols) - c0;
+            float m = 0.0f;
+            for (int64_t r = r_lo; r < r_hi; r++) {
+                float a = amax_any(src, src_bf16, r * src_stride + c0, n);
+                m = a > m || a != a ? a : m;  /* NaN propagates, as torch's amax */
+            }
+            s_row[j] = scale_of(m);
+        }
+        for (int64_t r = r_lo; r < r_hi; r++)
+            for (int64_t j = 0; j < n_tiles; j++) {
+                int64_t c0 = j * BLOCK, n = (c0 + BLOCK < n_cols ? c0 + BLOCK : n_cols) - c0;
+                quantize_any(src, src_bf16, r * src_stride + c0, dst + r * dst_stride + c0, n, s_row[j]);
+            }
+    }
+}
+
+static inline void dequantize_f32(const uint8_t *restrict q, float *restrict o, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) o[c] = e4m3fn_to_f32(q[c]) * s;
+}
+
+static inline void dequantize_bf16(const uint8_t *restrict q, uint16_t *restrict o, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) o[c] = f32_to_bf16(e4m3fn_to_f32(q[c]) * s);
+}
+
+/* Dequantize rows [r0, r1): out[r, c] = (float)w[r, c] * scale, scale per channel
+ * (scale[r], block == 0) or per 128x128 tile (scale[(r/128) * scale_cols + c/128]).
+ * out is float32 (out_bf16 == 0) or bfloat16, row stride out_stride elements. */
+void hrl_dequantize(const uint8_t *w, int64_t w_stride, const float *scale, int block,
+                    int64_t scale_cols, void *out, int out_bf16, int64_t out_stride,
+                    int64_t r0, int64_t r1, int64_t n_cols) {
+    int64_t span = block ? BLOCK : n_cols;  /* columns sharing one scale */
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t c0 = 0; c0 < n_cols; c0 += span) {
+            int64_t n = (c0 + span < n_cols ? c0 + span : n_cols) - c0;
+            float s = block ? scale[(r / BLOCK) * scale_cols + c0 / BLOCK] : scale[r];
+            const uint8_t *q = w + r * w_stride + c0;
+            if (out_bf16) dequantize_bf16(q, (uint16_t *)out + r * out_stride + c0, n, s);
+            else dequantize_f32(q, (float *)out + r * out_stride + c0, n, s);
+        }
+    }
+}
+
+/* Elementwise conversions, for the exhaustive tests. */
+void hrl_f32_to_e4m3fn(const float *x, uint8_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_e4m3fn(x[i]);
+}
+
+void hrl_e4m3fn_to_f32(const uint8_t *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = e4m3fn_to_f32(x[i]);
+}
+
+void hrl_f32_to_bf16(const float *x, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(x[i]);
+}

@@ -1,0 +1,138 @@
+"""The fused CPU FP8 kernels (hybridrl/quant/fp8_kernels.c) against torch, bit for bit.
+
+The torch path of hybridrl.quant.fp8 is the reference: every test runs both and demands
+identical bytes (scales, fp8 codes, dequantized values), on fresh random data with a wide
+dynamic range, odd shapes, strided rows and both source / output dtypes.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridrl.quant import fp8, native
+
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = native.kernels()
+    assert lib is not None, "a C compiler is present, so the FP8 kernels must build"
+    return lib
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Call ``fn(*args)`` with the native kernels switched off."""
+    def run(fn, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(native, "kernels", lambda: None)
+            return fn(*args, **kwargs)
+    return run
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def test_fp8_to_float32_all_256_codes(lib):
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256)
+    lib.hrl_e4m3fn_to_f32(codes.data_ptr(), out.data_ptr(), 256)
+    assert torch.equal(_bits(out), _bits(codes.view(fp8.FP8_DTYPE).float()))
+
+
+def test_float32_to_fp8_matches_torch_cast(lib):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n = 1 << 20
+    magnitudes = torch.exp2(torch.randint(-24, 12, (n,), generator=g).float())  # subnormals .. saturation
+    x = torch.randn(n, generator=g) * magnitudes
+    # Exact ties at every spacing (round-to-even decides), boundaries and specials.
+    ties = (torch.arange(1, 512, dtype=torch.float32) + 0.5) * 2.0**-9
+    specials = torch.tensor([0.0, -0.0, 2**-6, 2**-7, 2**-10, 2**-11, 448.0, 456.0, 464.0, 479.0, 480.0, 1e30,
+                             float("inf"), -float("inf"), float("nan"), -float("nan"), 1e-45, -3e-42])
+    x = torch.cat([x, ties, -ties * 64, specials])
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    lib.hrl_f32_to_e4m3fn(x.data_ptr(), out.data_ptr(), x.numel())
+    want = _bits(x.to(fp8.FP8_DTYPE))
+    bad = (out != want).nonzero().flatten()
+    assert len(bad) == 0, f"{len(bad)} mismatches, e.g. {x[bad[:4]].tolist()} -> {out[bad[:4]].tolist()} vs {want[bad[:4]].tolist()}"
+
+
+def test_float32_to_bf16_matches_torch_and_keeps_nan(lib):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x = torch.randn(1 << 18, generator=g) * torch.exp2(torch.randint(-130, 120, (1 << 18,), generator=g).float())
+    x[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    out = torch.empty(x.shape, dtype=torch.int16)
+    lib.hrl_f32_to_bf16(x.data_ptr(), out.data_ptr(), x.numel())
+    assert out.view(torch.bfloat16)[0].isnan()
+    assert torch.equal(out[1:], _bits(x[1:].to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("shape", [(1, 5), (7, 300), (128, 128), (130, 257), (384, 1000)])
+def test_quantize_dequantize_equal_torch_path(lib, torch_path, src_dtype, block, shape):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n, k = shape
+    src = (torch.randn(n, k + 3, generator=g) * torch.exp2(torch.randint(-12, 12, (n, 1), generator=g).float()))
+    src[0, :2] = 0.0
+    src = src.to(src_dtype)[:, 1:k + 1]  # rows strided (row stride k + 3), column stride 1
+    scale_shape = fp8.block_scale_shape(n, k) if block else (n, 1)
+    ours = (torch.empty(n, k, dtype=fp8.FP8_DTYPE), torch.empty(scale_shape))
+    ref = (torch.empty(n, k, dtype=fp8.FP8_DTYPE), torch.empty(scale_shape))
+    fp8.quantize_(src, *ours, block=block)
+    torch_path(fp8.quantize_, src, *ref, block=block)
+    assert torch.equal(_bits(ours[0]), _bits(ref[0]))
+    assert torch.equal(ours[1], ref[1])
+    for out_dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.empty(n, k + 2, dtype=out_dtype)[:, :k], torch.empty(n, k, dtype=out_dtype)
+        fp8.dequantize_(*ours, a)
+        torch_path(fp8.dequantize_, *ours, b)
+        assert torch.equal(_bits(a.contiguous()), _bits(b))
+
+
+def test_thread_split_gives_the_same_bytes(lib):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    src = torch.randn(1030, 700, generator=g).to(torch.bfloat16)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            w, s = torch.empty(src.shape, dtype=fp8.FP8_DTYPE), torch.empty(1030, 1)
+            fp8.quantize_(src, w, s, block=False)
+            out = torch.empty(src.shape, dtype=torch.bfloat16)
+            fp8.dequantize_(w, s, out)
+            results.append((_bits(w).clone(), s.clone(), _bits(out).clone()))
+    finally:
+        torch.set_num_threads(threads)
+    for r in results[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(results[0], r))
+
+
+def _child(code: str, env: dict) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_build_is_cached_and_can_be_switched_off(tmp_path):
+    code = "from hybridrl.quant import native; k = native.kernels(); print(k._name if k else None)"
+    first = _child(code, {"HYBRIDRL_CACHE_DIR": str(tmp_path)})
+    assert first.startswith(str(tmp_path)) and os.path.exists(first)
+    stamp = os.stat(first).st_mtime_ns
+    assert _child(code, {"HYBRIDRL_CACHE_DIR": str(tmp_path)}) == first  # loaded, not rebuilt
+    assert os.stat(first).st_mtime_ns == stamp
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no temp files left
+    assert _child(code, {"HYBRIDRL_CACHE_DIR": str(tmp_path), "HYBRIDRL_NATIVE_KERNELS": "0"}) == "None"
+
+
+def test_missing_compiler_falls_back_to_torch(tmp_path):
+    code = ("import torch; from hybridrl.quant import native, fp8; print(native.kernels());"
+            "w = torch.empty(4, 8, dtype=fp8.FP8_DTYPE); s = torch.empty(4, 1);"
+            "fp8.quantize_(torch.randn(4, 8), w, s, block=False); print(bool(torch.isfinite(s).all()))")
+    env = {"HYBRIDRL_CACHE_DIR": str(tmp_path), "CC": "", "PATH": str(tmp_path)}
+    assert _child(code, env).split() == ["None", "True"]
