@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout.layers import attention
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model
 
 
@@ -39,8 +40,11 @@ def test_prefill_logits_match_transformers(family):
         _close(ours[valid], ref[valid])
 
 
-def test_decode_logits_match_transformers(family):
-    """Prefill prompts of different lengths, then decode fixed tokens step by step."""
+@pytest.mark.parametrize("decode_kernel", ["sdpa", "matmul"])
+def test_decode_logits_match_transformers(family, decode_kernel, monkeypatch):
+    """Prefill prompts of different lengths, then decode fixed tokens step by step (masked
+    decode), through both CPU decode-attention kernels."""
+    monkeypatch.setattr(attention, "CPU_MATMUL_DECODE_MIN_BATCH", 1 if decode_kernel == "matmul" else 10**9)
     cfg = make_config(family)
     engine = _engine(cfg, make_hf_model(cfg))
     ref_model = make_hf_model(cfg).double()
