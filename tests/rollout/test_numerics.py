@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridrl.rollout import RolloutEngine, SamplingParams
-from hybridrl.rollout.layers import attention
+from hybridrl.rollout.layers import attention, cpu_linear
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model
 
 
@@ -14,12 +14,24 @@ def _engine(cfg, hf, **kw):
     return engine
 
 
+def _use_linear_kernel(monkeypatch, kernel: str) -> None:
+    """Route every engine linear (the test models are tiny) through oneDNN, or none."""
+    if kernel == "onednn":
+        if not cpu_linear._onednn_serves(torch.float32):
+            pytest.skip("oneDNN inner product unavailable in this torch build")
+        monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_WEIGHT_ELEMENTS", 0)
+    else:
+        monkeypatch.setattr(cpu_linear, "USE_ONEDNN", False)
+
+
 def _close(ours, ref):
     ref = ref.to(torch.float32)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
-def test_prefill_logits_match_transformers(family):
+@pytest.mark.parametrize("linear_kernel", ["aten", "onednn"])
+def test_prefill_logits_match_transformers(family, linear_kernel, monkeypatch):
+    _use_linear_kernel(monkeypatch, linear_kernel)
     cfg = make_config(family)
     hf = make_hf_model(cfg)
     engine = _engine(cfg, hf)
@@ -40,11 +52,12 @@ def test_prefill_logits_match_transformers(family):
         _close(ours[valid], ref[valid])
 
 
-@pytest.mark.parametrize("decode_kernel", ["sdpa", "matmul"])
-def test_decode_logits_match_transformers(family, decode_kernel, monkeypatch):
+@pytest.mark.parametrize("decode_kernel,linear_kernel", [("sdpa", "aten"), ("matmul", "onednn")])
+def test_decode_logits_match_transformers(family, decode_kernel, linear_kernel, monkeypatch):
     """Prefill prompts of different lengths, then decode fixed tokens step by step (masked
-    decode), through both CPU decode-attention kernels."""
+    decode), through both CPU decode-attention kernels and both CPU linear kernels."""
     monkeypatch.setattr(attention, "CPU_MATMUL_DECODE_MIN_BATCH", 1 if decode_kernel == "matmul" else 10**9)
+    _use_linear_kernel(monkeypatch, linear_kernel)
     cfg = make_config(family)
     engine = _engine(cfg, make_hf_model(cfg))
     ref_model = make_hf_model(cfg).double()

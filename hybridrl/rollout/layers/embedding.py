@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.rollout.layers import cpu_linear
+
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     """Whole-tensor in-place copy with a shape check."""
@@ -57,7 +59,7 @@ class LMHead(nn.Module):
             self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return cpu_linear.linear(hidden, self.weight)
 
 
 # Measured trade-off, kept here so nobody re-derives it: storing the head as a transposed

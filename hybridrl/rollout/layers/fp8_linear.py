@@ -40,6 +40,7 @@ from torch import nn
 
 from hybridrl.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, block_scale_shape, dequantize_, quantize_
 from hybridrl.rollout.derived import DerivedCache
+from hybridrl.rollout.layers import cpu_linear
 from hybridrl.rollout.layers.linear import LinearMethodBase
 
 FNUZ_DEFAULT: bool | None = None  # None: fnuz inference layout exactly when running on ROCm
@@ -155,7 +156,7 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x):
         if layer.weight_dequant_cache is not None:
-            return F.linear(x, layer.weight_dequant, layer.bias)
+            return cpu_linear.linear(x, layer.weight_dequant, layer.bias)
         return _scaled_mm_linear(x, layer.weight, layer.weight_scale, layer.bias)
 
 

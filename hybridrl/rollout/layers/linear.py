@@ -28,8 +28,9 @@ import importlib
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hybridrl.rollout.layers import cpu_linear
 
 
 class LinearMethodBase(ABC):
@@ -61,7 +62,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         copy_into_slot(layer, param, loaded_weight, shard_id)
 
     def apply(self, layer, x):
-        return F.linear(x, layer.weight, layer.bias)
+        return cpu_linear.linear(x, layer.weight, layer.bias)
 
 
 def copy_into_slot(layer: "LinearBase", param: torch.Tensor, loaded: torch.Tensor,
