@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -67,8 +68,10 @@ def format_table(rows: list[dict]) -> str:
     w_metric = max([len("metric")] + [len(r["metric"]) for r in rows]) + 2
     lines = [f"{'case':<{w_case}}{'metric':<{w_metric}}{'ours':>10}{'baseline':>10}{'speedup':>9}  baseline"]
     for r in rows:
+        ratio = speedup(r)
+        ratio_text = f"{ratio:>8.2f}x" if math.isfinite(ratio) else f"{'(0)':>9}"  # ours is 0, lower is better
         lines.append(f"{r['case']:<{w_case}}{r['metric']:<{w_metric}}{r['ours']:>10.4g}{r['baseline']:>10.4g}"
-                     f"{speedup(r):>8.2f}x  {r['baseline_name']}")
+                     f"{ratio_text}  {r['baseline_name']}")
     return "\n".join(lines)
 
 

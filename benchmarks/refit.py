@@ -11,12 +11,15 @@ peak extra memory of the refit against its bound (one bucket + the largest tenso
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import report  # noqa: E402
 
 from hybridrl.refit import refit_from_model
 from hybridrl.refit.memory import peak_extra_bytes
@@ -32,14 +35,18 @@ CASES = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("fp8", 
 BUCKET = 64 << 20
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def best_seconds(fns: list, repeats: int) -> list[float]:
+    """Best wall time of each fn over ``repeats`` rounds, the fns interleaved within every
+    round so that the shared machine's load drifts hit ours and the baselines alike."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> list[dict]:
@@ -60,9 +67,8 @@ def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> l
     def naive():
         ref_model.load_state_dict(sd, strict=False)
 
-    t_refit = best_seconds(lambda: refit_from_model(eng, named, bucket_bytes=BUCKET), repeats)
-    t_copy = best_seconds(memcpy, repeats)
-    t_naive = best_seconds(naive, repeats)
+    t_refit, t_copy, t_naive = best_seconds(
+        [lambda: refit_from_model(eng, named, bucket_bytes=BUCKET), memcpy, naive], repeats)
     peak, _ = peak_extra_bytes(lambda: refit_from_model(eng, named, bucket_bytes=BUCKET))
     case = f"{cfg_name}/{precision}"
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
@@ -88,16 +94,8 @@ def main():
             continue
         hf = Qwen2ForCausalLM(Qwen2Config(**kw, max_position_embeddings=64)).eval()
         for precision, dtype, quant in CASES:
-            rows += run_case(cfg_name, hf, precision, dtype, quant, 1 if args.quick else 5)
-    print(f"{'case':<12} {'metric':<16} {'ours':>10} {'baseline':>10} {'ratio':>7}  baseline")
-    for r in rows:
-        print(f"{r['case']:<12} {r['metric']:<16} {r['ours']:>10.3f} {r['baseline']:>10.3f} "
-              f"{r['ours'] / r['baseline']:>7.2f}  {r['baseline_name']}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-
+            rows += run_case(cfg_name, hf, precision, dtype, quant, 3 if args.quick else 7)
+    report(rows, args.json)  # table with ratios (> 1 = ours better) and the JSON rows
 
 if __name__ == "__main__":
     main()

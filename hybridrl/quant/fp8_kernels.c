@@ -74,6 +74,75 @@ static inline float amax_bf16(const uint16_t *restrict x, int64_t n) {
     return u2f((uint32_t)m << 16);
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* AVX2 versions of the conversions above, 8 lanes at a time, same operations in the same
+ * order (so the same bits); the compiler's auto-vectorization of the scalar code ran at
+ * ~1 ns per element here, these at a fraction of that. */
+static inline __m256 bf16x8_to_f32(const uint16_t *x) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* e4m3fn codes (one per int32 lane) of y, where |y| <= 448 or y is NaN (clamped input). */
+static inline __m256i e4m3fn_codes_avx2(__m256 y) {
+    __m256i u = _mm256_castps_si256(y);
+    __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i ex = _mm256_max_epi32(_mm256_srli_epi32(a, 23), _mm256_set1_epi32(121));
+    __m256i c_bits = _mm256_slli_epi32(_mm256_add_epi32(ex, _mm256_set1_epi32(20)), 23);
+    __m256i m = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(c_bits), _mm256_castsi256_ps(a))), c_bits);
+    __m256i r = _mm256_add_epi32(_mm256_slli_epi32(_mm256_sub_epi32(ex, _mm256_set1_epi32(121)), 3), m);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
+    return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
+}
+
+static inline __m256 quantize_clamped_avx2(__m256 x, __m256 s) {
+    /* max/min return their second operand when either is NaN: NaN passes, as in clamp_fp8 */
+    __m256 y = _mm256_div_ps(x, s);
+    y = _mm256_max_ps(_mm256_set1_ps(-FP8_MAX), y);
+    return _mm256_min_ps(_mm256_set1_ps(FP8_MAX), y);
+}
+
+/* 32 bf16 -> 32 e4m3fn bytes. */
+static inline void quantize_bf16x32_avx2(const uint16_t *x, uint8_t *q, __m256 s) {
+    __m256i r0 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x), s));
+    __m256i r1 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 8), s));
+    __m256i r2 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 16), s));
+    __m256i r3 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 24), s));
+    __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(r0, r1), _mm256_packus_epi32(r2, r3));
+    /* packs work per 128-bit lane: dwords come out as r0a r1a r2a r3a | r0b r1b r2b r3b */
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+}
+
+static inline __m256 e4m3fnx8_to_f32(const uint8_t *q) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+    __m256i nrm = _mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23));
+    __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512.0f)));
+    __m256i r = _mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FF00000), _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F)));
+    return _mm256_castsi256_ps(_mm256_or_si256(r, _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+}
+
+static inline __m256i f32x8_to_bf16_bits(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+/* 16 e4m3fn bytes -> 16 bf16 (value * s). */
+static inline void dequantize_bf16x16_avx2(const uint8_t *q, uint16_t *o, __m256 s) {
+    __m256i lo = f32x8_to_bf16_bits(_mm256_mul_ps(e4m3fnx8_to_f32(q), s));
+    __m256i hi = f32x8_to_bf16_bits(_mm256_mul_ps(e4m3fnx8_to_f32(q + 8), s));
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+    _mm256_storeu_si256((__m256i *)o, w);
+}
+#endif
+
 static inline float clamp_fp8(float y) { return y < -FP8_MAX ? -FP8_MAX : (y > FP8_MAX ? FP8_MAX : y); }
 
 static inline void quantize_f32(const float *restrict x, uint8_t *restrict q, int64_t n, float s) {
@@ -81,7 +150,12 @@ static inline void quantize_f32(const float *restrict x, uint8_t *restrict q, in
 }
 
 static inline void quantize_bf16(const uint16_t *restrict x, uint8_t *restrict q, int64_t n, float s) {
-    for (int64_t c = 0; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(u2f((uint32_t)x[c] << 16) / s));
+    int64_t c = 0;
+#if defined(__AVX2__)
+    __m256 vs = _mm256_set1_ps(s);
+    for (; c + 32 <= n; c += 32) quantize_bf16x32_avx2(x + c, q + c, vs);
+#endif
+    for (; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(u2f((uint32_t)x[c] << 16) / s));
 }
 
 static inline float amax_any(const void *src, int src_bf16, int64_t off, int64_t n) {
@@ -137,7 +211,12 @@ static inline void dequantize_f32(const uint8_t *restrict q, float *restrict o, 
 }
 
 static inline void dequantize_bf16(const uint8_t *restrict q, uint16_t *restrict o, int64_t n, float s) {
-    for (int64_t c = 0; c < n; c++) o[c] = f32_to_bf16(e4m3fn_to_f32(q[c]) * s);
+    int64_t c = 0;
+#if defined(__AVX2__)
+    __m256 vs = _mm256_set1_ps(s);
+    for (; c + 16 <= n; c += 16) dequantize_bf16x16_avx2(q + c, o + c, vs);
+#endif
+    for (; c < n; c++) o[c] = f32_to_bf16(e4m3fn_to_f32(q[c]) * s);
 }
 
 /* Dequantize rows [r0, r1): out[r, c] = (float)w[r, c] * scale, scale per channel
