@@ -104,16 +104,26 @@ static inline __m256 quantize_clamped_avx2(__m256 x, __m256 s) {
     return _mm256_min_ps(_mm256_set1_ps(FP8_MAX), y);
 }
 
-/* 32 bf16 -> 32 e4m3fn bytes. */
-static inline void quantize_bf16x32_avx2(const uint16_t *x, uint8_t *q, __m256 s) {
-    __m256i r0 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x), s));
-    __m256i r1 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 8), s));
-    __m256i r2 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 16), s));
-    __m256i r3 = e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 24), s));
+/* 4 x 8 int32 codes -> 32 bytes, in order. */
+static inline void store_codes_x32(__m256i r0, __m256i r1, __m256i r2, __m256i r3, uint8_t *q) {
     __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(r0, r1), _mm256_packus_epi32(r2, r3));
     /* packs work per 128-bit lane: dwords come out as r0a r1a r2a r3a | r0b r1b r2b r3b */
     bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, bytes);
+}
+
+static inline void quantize_bf16x32_avx2(const uint16_t *x, uint8_t *q, __m256 s) {
+    store_codes_x32(e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x), s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 8), s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 16), s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 24), s)), q);
+}
+
+static inline void quantize_f32x32_avx2(const float *x, uint8_t *q, __m256 s) {
+    store_codes_x32(e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x), s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x + 8), s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x + 16), s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x + 24), s)), q);
 }
 
 static inline __m256 e4m3fnx8_to_f32(const uint8_t *q) {
@@ -146,7 +156,12 @@ static inline void dequantize_bf16x16_avx2(const uint8_t *q, uint16_t *o, __m256
 static inline float clamp_fp8(float y) { return y < -FP8_MAX ? -FP8_MAX : (y > FP8_MAX ? FP8_MAX : y); }
 
 static inline void quantize_f32(const float *restrict x, uint8_t *restrict q, int64_t n, float s) {
-    for (int64_t c = 0; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(x[c] / s));
+    int64_t c = 0;
+#if defined(__AVX2__)
+    __m256 vs = _mm256_set1_ps(s);
+    for (; c + 32 <= n; c += 32) quantize_f32x32_avx2(x + c, q + c, vs);
+#endif
+    for (; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(x[c] / s));
 }
 
 static inline void quantize_bf16(const uint16_t *restrict x, uint8_t *restrict q, int64_t n, float s) {
@@ -207,7 +222,12 @@ void hrl_quantize_block(const void *src, int src_bf16, int64_t src_stride, uint8
 }
 
 static inline void dequantize_f32(const uint8_t *restrict q, float *restrict o, int64_t n, float s) {
-    for (int64_t c = 0; c < n; c++) o[c] = e4m3fn_to_f32(q[c]) * s;
+    int64_t c = 0;
+#if defined(__AVX2__)
+    __m256 vs = _mm256_set1_ps(s);
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(e4m3fnx8_to_f32(q + c), vs));
+#endif
+    for (; c < n; c++) o[c] = e4m3fn_to_f32(q[c]) * s;
 }
 
 static inline void dequantize_bf16(const uint8_t *restrict q, uint16_t *restrict o, int64_t n, float s) {
