@@ -135,7 +135,7 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    rows = throughput(batch=16 if args.quick else 32, repeats=1 if args.quick else 3, budget=4096)
+    rows = throughput(batch=32, repeats=1 if args.quick else 3, budget=4096)
     rows += memory(n_tokens=2048 if args.quick else 8192, vocab=32768)
     report(rows, args.json)  # table with speedups (> 1 = ours better) and the JSON rows
 
