@@ -107,7 +107,11 @@ def kernels() -> ctypes.CDLL | None:
     try:
         if not target.exists():
             _build(cc, target)
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError:  # unloadable cached file (e.g. truncated by a full disk): rebuild once
+            _build(cc, target)
+            lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("hybridrl: building the FP8 CPU kernels failed (%s); using the slower torch path", err)
         return None

@@ -136,3 +136,12 @@ def test_missing_compiler_falls_back_to_torch(tmp_path):
             "fp8.quantize_(torch.randn(4, 8), w, s, block=False); print(bool(torch.isfinite(s).all()))")
     env = {"HYBRIDRL_CACHE_DIR": str(tmp_path), "CC": "", "PATH": str(tmp_path)}
     assert _child(code, env).split() == ["None", "True"]
+
+
+def test_corrupt_cached_library_is_rebuilt(tmp_path):
+    code = "from hybridrl.quant import native; k = native.kernels(); print(k._name if k else None)"
+    path = _child(code, {"HYBRIDRL_CACHE_DIR": str(tmp_path)})
+    with open(path, "wb") as f:
+        f.write(b"not an ELF file")
+    assert _child(code, {"HYBRIDRL_CACHE_DIR": str(tmp_path)}) == path
+    assert os.path.getsize(path) > 1000
