@@ -24,6 +24,7 @@ class ModelRunner:
         self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
         self.graphs: CudaGraphRunner | None = None
         self._decode_step = self.decode_eager
+        self.compiled = compile_decode
         if compile_decode:
             # dynamic=True: one compiled step for every batch size (compaction shrinks it) and
             # kv_len (grows every step). Opt-in and not a CPU speedup: measured on 2 cores
@@ -57,7 +58,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(tokens.shape[0]):
             return self.graphs.replay(tokens, positions)
         with torch.inference_mode():
-            if self._decode_step is not self.decode_eager:
+            if self.compiled:
                 # Compiled: the aligned path indexes the cache with the Python int kv_len - 1,
                 # which dynamo specializes on, recompiling every step until its limit.
                 aligned = False

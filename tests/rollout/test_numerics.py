@@ -92,6 +92,10 @@ def test_aligned_decode_equals_masked_decode():
         la = a.runner.decode(tokens, lens + step, 7 + step + 1)
         lb = b.runner.decode(tokens, lens + step, 7 + step + 1, aligned=True)
     torch.testing.assert_close(a.runner.kv_cache.k, b.runner.kv_cache.k, rtol=1e-5, atol=1e-5)
+    # ... and the aligned step really takes the cheap path: slice writes, no index_put_.
+    with torch.profiler.profile() as prof:
+        b.runner.decode(tokens, lens + 4, 7 + 4 + 1, aligned=True)
+    assert "aten::index_put_" not in {e.key for e in prof.key_averages()}
 
 
 def test_shared_prompts_prefill_once_same_samples():
