@@ -49,10 +49,29 @@ def block_scale_shape(n_rows: int, n_cols: int) -> tuple[int, int]:
 
 
 def _check(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: bool):
-    assert src.dim() == 2 and src.shape == weight.shape, (src.shape, weight.shape)
-    assert weight.dtype == FP8_DTYPE and scale.dtype == torch.float32
+    """Explicit checks (not asserts: they must hold under ``python -O`` too, since the
+    native kernels index with these shapes)."""
+    if src.dim() != 2 or src.shape != weight.shape:
+        raise ValueError(f"quantize_: src {tuple(src.shape)} and weight {tuple(weight.shape)} must be the same [N, K]")
+    if weight.dtype != FP8_DTYPE or scale.dtype != torch.float32:
+        raise ValueError(f"quantize_: weight must be {FP8_DTYPE} and scale float32, got {weight.dtype}, {scale.dtype}")
+    _check_scale_shape("quantize_", weight, scale, block)
+
+
+def _check_scale_shape(fn: str, weight: torch.Tensor, scale: torch.Tensor, block: bool) -> None:
     want = block_scale_shape(*weight.shape) if block else (weight.shape[0], 1)
-    assert tuple(scale.shape) == want, (tuple(scale.shape), want)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{fn}: scale has shape {tuple(scale.shape)}, expected {want} for a "
+                         f"{tuple(weight.shape)} weight ({'128x128 blocks' if block else 'per channel'})")
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    """The kernels read raw CPU pointers row by row: every tensor on CPU, unit column
+    stride, and rows that do not overlap (a broadcast view has row stride 0)."""
+    for t in tensors:
+        if t.device.type != "cpu" or (t.dim() == 2 and (t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[1]))):
+            return False
+    return True
 
 
 def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, block: bool) -> None:
@@ -82,9 +101,10 @@ def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, b
 
 def _quantize_native(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: bool) -> bool:
     """The fused CPU kernel, if it applies (CPU, fp32/bf16 source, unit column stride)."""
-    lib = native.kernels() if src.device.type == "cpu" else None
-    if (lib is None or src.dtype not in (torch.float32, torch.bfloat16) or src.stride(1) != 1
-            or weight.stride(1) != 1 or not scale.is_contiguous()):
+    if src.dtype not in (torch.float32, torch.bfloat16) or not scale.is_contiguous() or not _native_ok(src, weight, scale):
+        return False
+    lib = native.kernels()
+    if lib is None:
         return False
     n_rows, n_cols = src.shape
     head = (src.data_ptr(), int(src.dtype == torch.bfloat16), src.stride(0),
@@ -99,9 +119,11 @@ def _quantize_native(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 
 def _dequantize_native(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: bool) -> bool:
     """The fused CPU kernel, if it applies (CPU, e4m3fn, fp32/bf16 output, unit column stride)."""
-    lib = native.kernels() if weight.device.type == "cpu" else None
-    if (lib is None or weight.dtype != FP8_DTYPE or out.dtype not in (torch.float32, torch.bfloat16)
-            or weight.stride(1) != 1 or out.stride(1) != 1 or not scale.is_contiguous()):
+    if (weight.dtype != FP8_DTYPE or out.dtype not in (torch.float32, torch.bfloat16) or not scale.is_contiguous()
+            or not _native_ok(weight, scale, out)):
+        return False
+    lib = native.kernels()
+    if lib is None:
         return False
     n_rows, n_cols = weight.shape
     head = (weight.data_ptr(), weight.stride(0), scale.data_ptr(), int(block), scale.shape[1],
@@ -161,8 +183,11 @@ def dequantize_(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) ->
     Deterministic: the same inputs always give bitwise the same ``out``.
     """
     n_rows, n_cols = weight.shape
-    assert out.shape == weight.shape and scale.dtype == torch.float32
+    if out.shape != weight.shape or scale.dtype != torch.float32 or scale.dim() != 2:
+        raise ValueError(f"dequantize_: out {tuple(out.shape)} must match weight {tuple(weight.shape)} "
+                         f"and scale be 2-D float32, got {tuple(scale.shape)} {scale.dtype}")
     block = not (scale.shape[1] == 1 and scale.shape[0] == n_rows)
+    _check_scale_shape("dequantize_", weight, scale, block)
     if _dequantize_native(weight, scale, out, block):
         return
     for r0 in range(0, n_rows, ROWS_PER_STRIPE):

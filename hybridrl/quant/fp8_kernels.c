@@ -52,11 +52,11 @@ static inline float e4m3fn_to_f32(uint8_t b) {
     return u2f(r | sign);
 }
 
-/* float32 -> bfloat16 bits, round to nearest even; NaN -> a quiet NaN (0x7FC0). */
+/* float32 -> bfloat16 bits, round to nearest even; NaN -> 0xFFFF, what torch's vectorized CPU cast writes. */
 static inline uint16_t f32_to_bf16(float x) {
     uint32_t u = f2u(x);
     uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)r;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0xFFFFu : (uint16_t)r;
 }
 
 /* |x| bit patterns order like |x| for non-NaN floats, so amax is an integer max, which
@@ -141,7 +141,7 @@ static inline __m256i f32x8_to_bf16_bits(__m256 v) {
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
     __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
 }
 
 /* 16 e4m3fn bytes -> 16 bf16 (value * s). */
@@ -182,7 +182,8 @@ static inline void quantize_any(const void *src, int src_bf16, int64_t off, uint
     else quantize_f32((const float *)src + off, q, n, s);
 }
 
-static inline float scale_of(float amax) { return (amax > TINY ? amax : TINY) / FP8_MAX; }
+/* NaN amax stays NaN (torch's clamp_ keeps it), so a NaN row quantizes to NaN codes. */
+static inline float scale_of(float amax) { return (amax != amax ? amax : (amax > TINY ? amax : TINY)) / FP8_MAX; }
 
 /* Per-output-channel: rows [r0, r1) of a row-major [N, K] source (row stride src_stride
  * elements, float32 or bfloat16) into dst (row stride dst_stride bytes); scale[r] per row. */

@@ -27,7 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]  # never -ffast-math: results must be bitwise torch's
 NATIVE_FLAGS = ["-march=native"]  # dropped if the compiler rejects it
+COMPILE_TIMEOUT_S = 120
 MIN_ELEMENTS_PER_THREAD = 1 << 20  # measured: below ~1M elements per thread the hand-off costs more than the second core gives
 
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -80,8 +81,10 @@ def _build(cc: str, target: Path) -> None:
     os.close(fd)
     try:
         for extra in (NATIVE_FLAGS, []):
-            proc = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            proc = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_S)
             if proc.returncode == 0:
+                os.chmod(tmp, 0o755)  # mkstemp makes 0600: others sharing the cache could not load it
                 os.replace(tmp, target)
                 return
         raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"{cc} failed")
@@ -126,6 +129,10 @@ def _pool(n_threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="hybridrl-fp8")
 
 
+# A forked child inherits the cached pools but not their threads: it would wait forever.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def run_split(fn, n_units: int, unit_elements: int, call) -> None:
     """Run ``call(fn, start, stop)`` over ``[0, n_units)`` split across torch's thread count.
 
@@ -137,5 +144,10 @@ def run_split(fn, n_units: int, unit_elements: int, call) -> None:
         return
     bounds = [n_units * i // n_threads for i in range(n_threads + 1)]
     futures = [_pool(n_threads).submit(call, fn, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    for f in futures:
-        f.result()
+    try:
+        for f in futures:
+            f.result()
+    finally:
+        # Even when interrupted (KeyboardInterrupt), return only once no thread is still
+        # reading or writing the caller's tensors through raw pointers.
+        wait(futures)

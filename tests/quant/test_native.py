@@ -145,3 +145,63 @@ def test_corrupt_cached_library_is_rebuilt(tmp_path):
         f.write(b"not an ELF file")
     assert _child(code, {"HYBRIDRL_CACHE_DIR": str(tmp_path)}) == path
     assert os.path.getsize(path) > 1000
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_nan_rows_and_tiles_match_torch_path(lib, torch_path, block):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    src = torch.randn(260, 300, generator=g)
+    src[3, 17] = float("nan")  # one row (per channel) / one tile (block) turns NaN, as in torch
+    scale_shape = fp8.block_scale_shape(260, 300) if block else (260, 1)
+    ours = (torch.empty(260, 300, dtype=fp8.FP8_DTYPE), torch.empty(scale_shape))
+    ref = (torch.empty(260, 300, dtype=fp8.FP8_DTYPE), torch.empty(scale_shape))
+    fp8.quantize_(src, *ours, block=block)
+    torch_path(fp8.quantize_, src, *ref, block=block)
+    assert ours[1].isnan().any()
+    torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(_bits(ours[0]), _bits(ref[0]))
+
+
+def test_bad_scale_shape_is_an_error_not_an_out_of_bounds_read():
+    w = torch.ones(2, 256).to(fp8.FP8_DTYPE)
+    with pytest.raises(ValueError, match="scale has shape"):
+        fp8.dequantize_(w, torch.tensor([1.0, 1000.0])[:1].view(1, 1), torch.empty(2, 256))
+    with pytest.raises(ValueError, match="scale has shape"):
+        fp8.quantize_(torch.randn(2, 256), w, torch.empty(1, 1), block=False)
+
+
+def test_kernels_never_see_non_cpu_or_overlapping_tensors():
+    # A CPU source into a non-CPU weight (the first load of a CUDA engine) must take the
+    # torch path (a cross-device copy), not hand device pointers to C. "meta" stands in here.
+    w, s = torch.empty(4, 64, dtype=fp8.FP8_DTYPE, device="meta"), torch.empty(4, 1, device="meta")
+    fp8.quantize_(torch.randn(4, 64), w, s, block=False)
+    # A broadcast output (row stride 0) is refused by torch's copy_, not silently written.
+    q, scale = torch.empty(4, 64, dtype=fp8.FP8_DTYPE), torch.empty(4, 1)
+    fp8.quantize_(torch.randn(4, 64), q, scale, block=False)
+    with pytest.raises(RuntimeError):
+        fp8.dequantize_(q, scale, torch.empty(1, 64).expand(4, 64))
+
+
+def test_forked_child_does_not_hang(lib, tmp_path):
+    code = """
+import os, sys, time, torch
+from hybridrl.quant import fp8
+torch.set_num_threads(2)
+src = torch.randn(4096, 1024)  # large enough to split across threads
+w, s = torch.empty(src.shape, dtype=fp8.FP8_DTYPE), torch.empty(4096, 1)
+fp8.quantize_(src, w, s, block=False)  # parent: the thread pool now exists
+pid = os.fork()
+if pid == 0:
+    fp8.quantize_(src, w, s, block=False)
+    os._exit(0)
+deadline = time.time() + 60
+while time.time() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+sys.exit(3)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-1000:])
