@@ -21,12 +21,11 @@ import functools
 import sys
 from pathlib import Path
 import re
-import time
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report  # noqa: E402
+from _common import best_interleaved, report  # noqa: E402
 import transformers
 
 from hybridrl.attention.packing import make_microbatches, padding_fraction
@@ -46,19 +45,6 @@ def _rows(batch, seed=0, vocab=4096):
 def _step(model, ids, mask, resp, **kw):
     lp, ent = compute_logprobs_entropy(model, ids, mask, resp, **kw)
     (lp.sum() + ent.sum()).backward()
-
-
-def _best_seconds(fns: dict, repeats: int) -> dict:
-    """Best wall time of each callable, the callables interleaved round by round so that
-    machine-load drift hits baseline and ours alike (one warm-up round first)."""
-    best = {name: float("inf") for name in fns}
-    for round_ in range(repeats + 1):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            if round_:
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def throughput(batch, repeats, budget):
@@ -87,7 +73,7 @@ def throughput(batch, repeats, budget):
         fns[backend] = functools.partial(
             _step, model, ids, mask, resp, packed=True, attn_backend=backend, max_tokens_per_microbatch=budget
         )
-    best = _best_seconds(fns, repeats)
+    best = dict(zip(fns, best_interleaved(list(fns.values()), repeats)))
     rows = [
         dict(case=f"B={batch} {backend}", metric="fwd+bwd tokens/s", ours=tokens / best[backend],
              baseline=tokens / best["padded"], baseline_name="padded fixed-count", higher_is_better=True)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report  # noqa: E402
+from _common import best_interleaved, report  # noqa: E402
 
 from hybridrl.refit import refit_from_model
 from hybridrl.refit.memory import peak_extra_bytes
@@ -33,20 +32,6 @@ CONFIGS = {
 }
 CASES = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("fp8", torch.bfloat16, "fp8")]
 BUCKET = 64 << 20
-
-
-def best_seconds(fns: list, repeats: int) -> list[float]:
-    """Best wall time of each fn over ``repeats`` rounds, the fns interleaved within every
-    round so that the shared machine's load drifts hit ours and the baselines alike."""
-    for fn in fns:
-        fn()  # warm-up
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> list[dict]:
@@ -67,7 +52,7 @@ def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> l
     def naive():
         ref_model.load_state_dict(sd, strict=False)
 
-    t_refit, t_copy, t_naive = best_seconds(
+    t_refit, t_copy, t_naive = best_interleaved(
         [lambda: refit_from_model(eng, named, bucket_bytes=BUCKET), memcpy, naive], repeats)
     peak, _ = peak_extra_bytes(lambda: refit_from_model(eng, named, bucket_bytes=BUCKET))
     case = f"{cfg_name}/{precision}"

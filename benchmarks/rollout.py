@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import torch
 import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import best_interleaved  # noqa: E402
 
 from hybridrl.rollout import RolloutEngine, SamplingParams
 
@@ -31,35 +35,20 @@ MODELS = {
 }
 
 
-def _timed(fns: list, repeats: int) -> list[float]:
-    """Best-of-`repeats` wall time of each fn, the fns interleaved within every repeat (the
-    machine is shared: interleaving exposes every side to the same load, the minimum is the
-    least noisy)."""
-    for fn in fns:
-        fn()  # warm-up
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
-
-
 def _memcpy_bandwidth() -> float:
     """Bytes per second of a plain ``copy_`` of 256 MiB into preallocated storage (bytes
     copied / time: the issue's floor). Larger than the small model's weights, so it streams
     from memory as they do."""
     src = torch.randn(256 * 2**20 // 4)
     dst = torch.empty_like(src)
-    return src.numel() * 4 / _timed([lambda: dst.copy_(src)], 5)[0]
+    return src.numel() * 4 / best_interleaved([lambda: dst.copy_(src)], 5)[0]
 
 
 def _read_bandwidth() -> float:
     """Bytes per second streamed by a reduction over 256 MiB (reads only, like weights): a
     stricter floor than memcpy's, reported alongside."""
     src = torch.randn(256 * 2**20 // 4)
-    return src.numel() * 4 / _timed([src.sum], 5)[0]
+    return src.numel() * 4 / best_interleaved([src.sum], 5)[0]
 
 
 def _weight_bytes_per_token(model: torch.nn.Module) -> int:
@@ -86,7 +75,7 @@ def bench_case(size: str, batch: int, new_tokens: int, dtype: torch.dtype, repea
                                               temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                                               min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **kw))
     with torch.inference_mode():
-        ours, *bases = _timed([ours] + gens, repeats)
+        ours, *bases = best_interleaved([ours] + gens, repeats)
     rows, tokens = [], batch * new_tokens
     for cache, base in zip(("dynamic", "static"), bases):
         rows.append(dict(case=f"{size} b={batch} T={new_tokens}", metric="tokens/s", ours=tokens / ours,
@@ -121,7 +110,7 @@ def bench_rl_job(dtype: torch.dtype, repeats: int) -> list[dict]:
     gen = lambda: hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,  # noqa: E731
                               top_p=1.0, max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=1)
     with torch.inference_mode():
-        ours, base = _timed([lambda: engine.generate(prompts, params), gen], repeats)
+        ours, base = best_interleaved([lambda: engine.generate(prompts, params), gen], repeats)
     return [dict(case="rl job 32x8 T<=8", metric="rollouts/s", ours=len(rows) / ours, baseline=len(rows) / base,
                  baseline_name="hf generate (dynamic cache)", higher_is_better=True)]
 
@@ -145,7 +134,7 @@ def bench_compaction(dtype: torch.dtype, repeats: int, new_tokens: int) -> list[
     assert on.response_token_ids == off.response_token_ids, "compaction changed the samples"
     tokens = sum(map(len, on.response_token_ids))
     with torch.inference_mode():
-        t_on, t_off = _timed([lambda: run(True), lambda: run(False)], repeats)
+        t_on, t_off = best_interleaved([lambda: run(True), lambda: run(False)], repeats)
     engine.compact_finished_rows = True
     return [dict(case=f"compaction b=64 T<={new_tokens} (mean len {tokens / 64:.0f})", metric="tokens/s",
                  ours=tokens / t_on, baseline=tokens / t_off, baseline_name="same engine, no compaction",

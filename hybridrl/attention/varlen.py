@@ -73,8 +73,7 @@ def varlen_attention(
     # 2x slower forward. Sequences are cut with one ``split`` and joined with one
     # ``cat``: their backwards are one concat / one slice per piece, where per-sequence
     # slicing or slice-assignment would each cost a full-size gradient per sequence.
-    bounds = cu_seqlens.tolist()  # host copy once per call; fallback path
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    lengths = cu_seqlens.diff().tolist()  # host copy once per call; fallback path
     gqa = q.shape[1] != k.shape[1]
     pieces = []
     for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths)):

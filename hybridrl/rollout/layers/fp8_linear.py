@@ -35,7 +35,6 @@ Per-element weight error is bounded by ``hybridrl.quant.abs_error_bound``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, block_scale_shape, dequantize_, quantize_
