@@ -63,7 +63,7 @@ from hybridrl.config import Config  # noqa: E402
 from hybridrl.config_io import build_config  # noqa: E402
 
 WARMUP_STEPS = 1
-OURS_PHASES = ("rollout", "reward", "log_probs", "update", "refit")
+OURS_PHASES = ("rollout", "reward", "log_probs", "advantages", "update", "refit")
 TRL_NAME = "trl GRPOTrainer"
 
 
@@ -85,18 +85,16 @@ class OursSide:
     """``build_run`` once, then one ``rl_step`` per call; keeps each step's seconds."""
 
     def __init__(self, cfg: Config):
-        from hybridrl.trainer.setup import build_run
+        from hybridrl.trainer.build import build_run
 
         self.cfg = cfg
-        self.parts = build_run(cfg, console=lambda s: None)
+        self.run = build_run(cfg, console=lambda s: None)
         self.rng = random.Random(cfg.trainer.seed + 1)
         self.steps: list[dict[str, float]] = []
 
     def step(self) -> dict[str, float]:
-        from hybridrl.trainer.rl_step import rl_step
-
         t0 = time.perf_counter()
-        m = rl_step(self.parts, self.cfg, len(self.steps) + 1, self.rng)
+        m = self.run.step(self.rng)
         rec = {"step": time.perf_counter() - t0, "length": m["response/length_mean"],
                **{p: m[f"time/{p}_s"] for p in OURS_PHASES}}
         rec["other"] = rec["step"] - sum(rec[p] for p in OURS_PHASES)  # advantages, masks, metrics
@@ -104,8 +102,8 @@ class OursSide:
         return rec
 
     def close(self) -> None:
-        self.parts.log.close()
-        self.parts.reward.close()
+        self.run.log.close()
+        self.run.step.scorer.close()
 
 
 def measure_ours(cfg: Config, steps: int) -> list[dict[str, float]]:
@@ -136,7 +134,7 @@ def _timed_method(obj, name: str, acc: dict[str, float], on_call=None) -> None:
     setattr(obj, name, wrapper)
 
 
-def build_trl(cfg: Config, parts, *, steps: int, output_dir: str, after_step):
+def build_trl(cfg: Config, run, *, steps: int, output_dir: str, after_step):
     """A ``GRPOTrainer`` matched to ``cfg`` (see the module docstring); ``after_step()`` runs
     after each of its steps, outside the timed window. Returns (trainer, per-step records)."""
     try:
@@ -150,15 +148,15 @@ def build_trl(cfg: Config, parts, *, steps: int, output_dir: str, after_step):
     from hybridrl.trainer.model_factory import builtin_model
 
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
-    tok = parts.tokenizer
+    tok = run.tokenizer
     model = builtin_model(tok, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
                           num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
                           intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
                           seed=t.seed, dtype=torch.float32)
-    prompt_texts = [tok.bos_token + p for p in parts.train_set.prompt_texts]
-    if tok(prompt_texts[0], add_special_tokens=False)["input_ids"] != parts.train_set.prompts[0]:
+    prompt_texts = [tok.bos_token + p for p in run.step.train_set.prompt_texts]
+    if tok(prompt_texts[0], add_special_tokens=False)["input_ids"] != run.step.train_set.prompts[0]:
         raise RuntimeError("benchmarks/step.py: TRL's prompt tokenization differs from ours; fix prompt_texts")
-    data = Dataset.from_dict({"prompt": prompt_texts, "answer": list(parts.train_set.answers)})
+    data = Dataset.from_dict({"prompt": prompt_texts, "answer": list(run.step.train_set.answers)})
 
     def exact_match_reward(completions, answer, **_):
         return [exact_match(c, a) for c, a in zip(completions, answer)]
@@ -169,8 +167,8 @@ def build_trl(cfg: Config, parts, *, steps: int, output_dir: str, after_step):
         bf16=False, fp16=False, seed=t.seed, max_steps=steps, dataloader_num_workers=0,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=r.n, num_iterations=1, max_completion_length=r.max_tokens,
-        temperature=r.temperature, top_k=0, top_p=1.0, beta=0.0, epsilon=cfg.algo.clip_ratio_low,
-        epsilon_high=cfg.algo.clip_ratio_high, loss_type="dapo", scale_rewards="group",
+        temperature=r.temperature, top_k=0, top_p=1.0, beta=0.0, epsilon=cfg.algo.policy_loss.clip_ratio_low,
+        epsilon_high=cfg.algo.policy_loss.clip_ratio_high, loss_type="dapo", scale_rewards="group",
         mask_truncated_completions=False, learning_rate=cfg.optim.lr, adam_beta1=cfg.optim.betas[0],
         adam_beta2=cfg.optim.betas[1], weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip,
         lr_scheduler_type="constant", warmup_steps=0, log_completions=False, disable_dropout=True, disable_tqdm=True,
@@ -227,8 +225,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="hybridrl_bench_step_")
     cfg = bench_config(prompts=prompts, n=n, max_tokens=args.max_tokens, threads=args.threads, output_dir=tmp)
     ours = OursSide(cfg)
-    trainer, trl_steps, trl_model = build_trl(cfg, ours.parts, steps=steps, output_dir=tmp, after_step=ours.step)
-    same = _same_weights(ours.parts.actor.model, trl_model)
+    trainer, trl_steps, trl_model = build_trl(cfg, ours.run, steps=steps, output_dir=tmp, after_step=ours.step)
+    same = _same_weights(ours.run.policy, trl_model)
     print(f"batch {prompts}x{n}, max_tokens {args.max_tokens}, threads {torch.get_num_threads()}, "
           f"{steps} steps per side ({WARMUP_STEPS} warm-up), same initial weights: {same}", flush=True)
     trainer.train()

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext, formatter_class=argparse.RawDescriptionHelpFormatter,
                             epilog="overrides: group.key=value, groups and keys:\n" + help_text())
         sp.add_argument("--config", help="YAML file with groups of keys")
-        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200 algo.kl_coef=0")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200 algo.kl.coef=0")
         sp.set_defaults(fn=fn)
     g = sub.add_parser("generate", help="sample from a local HF checkpoint with the built-in engine")
     g.add_argument("--model", required=True, help="local HF checkpoint directory")

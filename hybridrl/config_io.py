@@ -7,7 +7,6 @@ against the dataclass annotations (strings from the CLI parse as YAML first).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from pathlib import Path
@@ -16,17 +15,38 @@ from typing import Any
 import yaml
 
 from hybridrl.config import GROUPS, Config, ConfigError
+from hybridrl.did_you_mean import suggest
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _suggest(name: str, choices: list[str], prefix: str = "") -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
-    if close:
-        return f"; did you mean {prefix}{close[0]}?"
-    return f"; valid keys: {', '.join(prefix + c for c in sorted(choices))}"
+# Keys of earlier releases -> where they live now (one-line error naming the new key).
+RENAMED = {
+    "algo.adv_estimator": "algo.advantage.estimator",
+    "algo.norm_adv_by_std_in_grpo": "algo.advantage.norm_by_std",
+    "algo.gamma": "algo.advantage.gamma",
+    "algo.lam": "algo.advantage.lam",
+    "algo.clip_ratio_low": "algo.policy_loss.clip_ratio_low",
+    "algo.clip_ratio_high": "algo.policy_loss.clip_ratio_high",
+    "algo.clip_ratio_c": "algo.policy_loss.clip_ratio_c",
+    "algo.entropy_coeff": "algo.policy_loss.entropy_coeff",
+    "algo.kl_coef": "algo.kl.coef",
+    "algo.kl_estimator": "algo.kl.estimator",
+    "algo.use_kl_loss": "algo.kl.use_loss",
+    "algo.adaptive_kl_target": "algo.kl.adaptive_target",
+    "algo.kl_horizon": "algo.kl.horizon",
+    "algo.tis_cap": "algo.correction.tis_cap",
+    "algo.mismatch_seq_upper": "algo.correction.mismatch_seq_upper",
+    "algo.mismatch_seq_lower": "algo.correction.mismatch_seq_lower",
+    "algo.dynamic_sampling": "algo.dapo.dynamic_sampling",
+    "algo.dynamic_sampling_refill_rounds": "algo.dapo.refill_rounds",
+    "algo.overlong_filter": "algo.dapo.overlong_filter",
+    "algo.overlong_buffer_len": "algo.dapo.overlong_buffer_len",
+    "algo.overlong_penalty_factor": "algo.dapo.overlong_penalty_factor",
+    "algo.cliprange_value": "algo.value.cliprange",
+}
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -75,8 +95,63 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def _resolve_type(cls: type, name: str) -> Any:  # noqa: D401
-    return typing.get_type_hints(cls)[name]
+def _is_group(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp)
+
+
+def _build(cls: type, tree: Any, key: str, source: str) -> Any:
+    """Instantiate dataclass ``cls`` from the mapping ``tree`` found at dotted ``key``."""
+    if not isinstance(tree, dict):
+        if key == "algo.policy_loss" and isinstance(tree, str):
+            raise ConfigError(f"{source}: algo.policy_loss is a group now; use algo.policy_loss.name={tree}")
+        raise ConfigError(f"{source}: {key} must be a mapping of keys (e.g. {key}.<key>=value)")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in tree.items():
+        full = f"{key}.{k}"
+        if k not in names:
+            if full in RENAMED:
+                raise ConfigError(f"{source}: {full} was renamed to {RENAMED[full]}; use {RENAMED[full]}=...")
+            raise ConfigError(f"{source}: unknown key {full}; {_suggest_key(full, key, names)}")
+        tp = hints[k]
+        if _is_group(tp):
+            kwargs[k] = _build(tp, v, full, source)
+            continue
+        try:
+            kwargs[k] = _coerce(v, tp, full)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _suggest_key(full: str, group: str, names: list[str]) -> str:
+    """Nearest valid key, looking through renamed keys too (``algo.kl_cof`` → ``algo.kl.coef``)."""
+    renamed = {old.rsplit(".", 1)[1]: new for old, new in RENAMED.items() if old.rsplit(".", 1)[0] == group}
+    hint = suggest(full.rsplit(".", 1)[1], list(names) + list(renamed), prefix=group + ".", quote=False)
+    for old, new in renamed.items():
+        hint = hint.replace(f"{group}.{old}?", f"{new}?")
+    return hint
+
+
+def _apply_preset(tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """Preset values under the user's ``algo`` keys (explicit keys win)."""
+    from hybridrl.config.groups import RolloutConfig
+    from hybridrl.config.presets import PRESETS, preset_values
+
+    algo = tree.get("algo")
+    if not isinstance(algo, dict) or algo.get("preset") is None:
+        return tree
+    name = algo["preset"]
+    if name not in PRESETS:
+        raise ConfigError(f"{source}: algo.preset={name!r} is unknown; {suggest(name, PRESETS)}")
+    rollout = tree.get("rollout") if isinstance(tree.get("rollout"), dict) else {}
+    max_tokens = rollout.get("max_tokens", RolloutConfig().max_tokens)
+    max_tokens = max_tokens if isinstance(max_tokens, int) else RolloutConfig().max_tokens
+    return {**tree, "algo": _merge(preset_values(name, max_tokens), algo)}
 
 
 def build_config(tree: dict[str, Any] | None = None, *, source: str = "config") -> Config:
@@ -84,26 +159,11 @@ def build_config(tree: dict[str, Any] | None = None, *, source: str = "config") 
     tree = tree or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{source}: top level must be a mapping of groups ({', '.join(GROUPS)})")
-    groups: dict[str, Any] = {}
-    for gname, gval in tree.items():
+    for gname in tree:
         if gname not in GROUPS:
-            raise ConfigError(f"{source}: unknown group {gname!r}{_suggest(gname, list(GROUPS))}")
-        cls = GROUPS[gname]
-        if not isinstance(gval, dict):
-            raise ConfigError(f"{source}: group {gname!r} must be a mapping of keys")
-        names = [f.name for f in dataclasses.fields(cls)]
-        kwargs = {}
-        for k, v in gval.items():
-            if k not in names:
-                raise ConfigError(f"{source}: unknown key {gname}.{k}{_suggest(k, names, gname + '.')}")
-            try:
-                kwargs[k] = _coerce(v, _resolve_type(cls, k), f"{gname}.{k}")
-            except ConfigError as e:
-                raise ConfigError(f"{source}: {e}") from None
-        try:
-            groups[gname] = cls(**kwargs)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+            raise ConfigError(f"{source}: unknown group {gname!r}; {suggest(gname, list(GROUPS), quote=False)}")
+    tree = _apply_preset(tree, source)
+    groups = {g: _build(GROUPS[g], v, g, source) for g, v in tree.items()}
     try:
         return Config(**groups)
     except ConfigError as e:
@@ -117,19 +177,22 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r}: expected group.key=value, e.g. trainer.total_steps=200")
         key, raw = item.split("=", 1)
-        group, name = key.split(".", 1)
+        *groups, name = key.split(".")
         value = yaml.safe_load(raw) if raw != "" else ""
-        tree.setdefault(group, {})[name] = value
+        node = tree
+        for g in groups:
+            node = node.setdefault(g, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {g} was also given a plain value")
+        node[name] = value
     return tree
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    """Deep merge: ``extra``'s keys win, nested mappings merge key by key."""
+    out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k].update(v)
-        else:
-            out[k] = v
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -156,10 +219,19 @@ def config_to_yaml(cfg: Config) -> str:
 
 def help_text() -> str:
     """The groups and their keys with defaults and docs, for ``hybridrl train --help``."""
-    lines = []
+    lines: list[str] = []
+
+    def walk(cls: type, prefix: str, depth: int) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if _is_group(hints[f.name]):
+                lines.append(f"{'  ' * depth}{prefix}{f.name}:")
+                walk(hints[f.name], f"{prefix}{f.name}.", depth + 1)
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"{'  ' * depth}{prefix}{f.name} = {default!r}  -- {f.metadata.get('help', '')}")
+
     for gname, cls in GROUPS.items():
         lines.append(f"{gname}:")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {gname}.{f.name} = {default!r}  -- {f.metadata.get('help', '')}")
+        walk(cls, f"{gname}.", 1)
     return "\n".join(lines)

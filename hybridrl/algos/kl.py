@@ -29,7 +29,7 @@ KL_ESTIMATORS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL estimate ``[B, L]`` of kind ``k1|kl|k2|mse|k3|low_var_kl|abs`` (see module doc)."""
-    check_choice(kind, KL_ESTIMATORS, "algo.kl_estimator", "KL estimator")
+    check_choice(kind, KL_ESTIMATORS, "algo.kl.estimator", "KL estimator")
     log_ratio = log_prob - ref_log_prob
     if kind in ("k1", "kl"):
         return log_ratio

@@ -7,8 +7,9 @@ keywords it needs and ignores the rest (``**kwargs``), so one call site serves a
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator, Mapping
+
+from hybridrl.did_you_mean import check_choice
 
 
 class Registry(Mapping[str, Callable]):
@@ -37,12 +38,7 @@ class Registry(Mapping[str, Callable]):
         return deco
 
     def get_fn(self, name: str) -> Callable:
-        if name not in self._fns:
-            close = difflib.get_close_matches(str(name), list(self._fns), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(
-                f"{self.config_key}={name!r}: unknown {self.kind}; {hint}valid: {', '.join(sorted(self._fns))}"
-            )
+        check_choice(name, self._fns, self.config_key, self.kind)
         return self._fns[name]
 
     def __getitem__(self, name: str) -> Callable:
@@ -58,8 +54,8 @@ class Registry(Mapping[str, Callable]):
         return f"Registry({self.kind}: {', '.join(self._fns)})"
 
 
-ADV_ESTIMATORS = Registry("advantage estimator", "algo.adv_estimator")
-POLICY_LOSSES = Registry("policy loss", "algo.policy_loss")
+ADV_ESTIMATORS = Registry("advantage estimator", "algo.advantage.estimator")
+POLICY_LOSSES = Registry("policy loss", "algo.policy_loss.name")
 
 
 def get_adv_estimator(name: str) -> Callable:
@@ -72,10 +68,5 @@ def get_policy_loss(name: str) -> Callable:
     return POLICY_LOSSES.get_fn(name)
 
 
-def check_choice(value: str, choices, config_key: str, kind: str) -> None:
-    """One-line ValueError naming the nearest valid choice when ``value`` is not in ``choices``."""
-    if value in choices:
-        return
-    close = difflib.get_close_matches(str(value), list(choices), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"{config_key}={value!r}: unknown {kind}; {hint}valid: {', '.join(choices)}")
+__all__ = ["Registry", "ADV_ESTIMATORS", "POLICY_LOSSES", "get_adv_estimator", "get_policy_loss",
+           "check_choice"]

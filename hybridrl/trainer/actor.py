@@ -9,30 +9,14 @@ the whole mini-batch, whatever the micro-batch split.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
+from hybridrl.config import KLConfig, OptimConfig, PolicyLossConfig
 from hybridrl.trainer.forward import compute_logprobs_entropy
+from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import shared_prefix_logprobs_entropy
-
-
-@dataclass(kw_only=True)
-class PolicyLossSpec:
-    """The algorithm options the update needs (plain values, from ``algo.*``)."""
-
-    policy_loss: str = "vanilla"
-    loss_agg_mode: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    use_kl_loss: bool = True
-    entropy_coeff: float = 0.0
-    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm constant (max response length)
 
 
 def make_adamw(params, **kwargs) -> torch.optim.AdamW:
@@ -50,29 +34,41 @@ def warmup_lambda(warmup_steps: int):
 
 
 class Actor:
-    def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0,
-                 warmup_steps: int = 0, grad_clip: float = 1.0, max_tokens_per_microbatch: int = 8192,
-                 shared_prefix: bool = True):
+    """The policy being trained: ``model`` (an HF causal LM), its AdamW and LR schedule,
+    and the policy-gradient update with its loss configuration.
+
+    ``policy_loss`` and ``kl`` are the run's ``algo.policy_loss`` / ``algo.kl`` objects
+    (not copies); ``loss_agg_mode`` aggregates every term (policy, KL, entropy);
+    ``loss_scale_factor`` is seq-mean-token-sum-norm's constant (the max response length);
+    ``temperature`` is the sampling temperature the log-probs are taken at.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, policy_loss: PolicyLossConfig,
+                 kl: KLConfig, loss_agg_mode: str, temperature: float, loss_scale_factor: float | None = None,
+                 max_tokens_per_microbatch: int = 8192, shared_prefix: bool = True):
         self.model = model
+        self.policy_loss, self.kl = policy_loss, kl
+        self.loss_agg_mode, self.loss_scale_factor = loss_agg_mode, loss_scale_factor
+        self.temperature = temperature
         self.shared_prefix = shared_prefix
-        self.grad_clip = grad_clip
+        self.grad_clip = optim.grad_clip
         self.max_tokens = max_tokens_per_microbatch
-        self.optimizer = make_adamw(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_lambda(warmup_steps))
+        self.optimizer = make_adamw(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+                                    weight_decay=optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_lambda(optim.warmup_steps))
 
     def _micro(self, lengths: torch.Tensor) -> list[list[int]]:
         return make_microbatches(lengths.tolist(), self.max_tokens)
 
     @torch.no_grad()
-    def compute_log_prob(self, input_ids, attention_mask, response_mask, *, temperature: float,
-                         with_entropy: bool = False):
+    def compute_log_prob(self, input_ids, attention_mask, response_mask, *, with_entropy: bool = False):
         """Log-probs ``[B, L]`` float32 (and entropy) of the current weights, no grad."""
         return logprobs_in_microbatches(self.model, input_ids, attention_mask, response_mask,
-                                        temperature=temperature, max_tokens=self.max_tokens,
+                                        temperature=self.temperature, max_tokens=self.max_tokens,
                                         with_entropy=with_entropy)
 
-    def update(self, batch: dict[str, torch.Tensor], spec: PolicyLossSpec, *, mini_batch_size: int,
-               epochs: int, temperature: float, generator: torch.Generator | None = None) -> dict[str, float]:
+    def update(self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int,
+               generator: torch.Generator | None = None) -> dict[str, float]:
         """PPO-style epochs over shuffled mini-batches. ``batch`` holds ``[N, L]`` tensors:
         input_ids, attention_mask, response_mask, advantages, and optionally old_log_prob
         (absent = on-policy: one epoch over one mini-batch), ref_log_prob,
@@ -88,7 +84,7 @@ class Actor:
             order = torch.randperm(n, generator=generator)
             for start in range(0, n, mini_batch_size):
                 idx = order[start:start + mini_batch_size]
-                metrics = self._mini_batch_step({k: v[idx] for k, v in batch.items()}, spec, temperature)
+                metrics = self._mini_batch_step({k: v[idx] for k, v in batch.items()})
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
@@ -96,7 +92,8 @@ class Actor:
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def _mini_batch_step(self, mb: dict[str, torch.Tensor], spec: PolicyLossSpec, temperature: float):
+    def _mini_batch_step(self, mb: dict[str, torch.Tensor]):
+        pl, kl, temperature = self.policy_loss, self.kl, self.temperature
         lengths = mb["attention_mask"].sum(-1)
         # Shared-prefix forward when rows carry their group and the mini-batch is one
         # micro-batch (groups must stay together); else token-budgeted padded micro-batches.
@@ -104,14 +101,14 @@ class Actor:
         micros = [list(range(len(lengths)))] if shared else self._micro(lengths)
         masks = [mb["response_mask"][m] for m in micros]
         info = algos.GlobalBatchInfo.from_masks(masks)
-        agg = dict(loss_agg_mode=spec.loss_agg_mode, global_batch_info=info, loss_scale_factor=spec.loss_scale_factor)
+        agg = dict(loss_agg_mode=self.loss_agg_mode, global_batch_info=info, loss_scale_factor=self.loss_scale_factor)
         self.optimizer.zero_grad(set_to_none=True)
-        policy_loss_fn = algos.get_policy_loss(spec.policy_loss)
+        policy_loss_fn = algos.get_policy_loss(pl.name)
         acc: dict[str, float] = {}
         weights = [float(m.sum()) for m in masks]
         total_w = max(sum(weights), 1.0)
         for rows, w in zip(micros, weights):
-            micro = _trim({k: v[rows] for k, v in mb.items()})
+            micro = trim_padding_columns({k: v[rows] for k, v in mb.items()})
             if shared:
                 log_prob, entropy = shared_prefix_logprobs_entropy(
                     self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
@@ -125,24 +122,24 @@ class Actor:
             old_log_prob = micro.get("old_log_prob", log_prob.detach())
             pg_loss, pg_metrics = policy_loss_fn(
                 old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro["advantages"],
-                response_mask=micro["response_mask"], clip_ratio_low=spec.clip_ratio_low,
-                clip_ratio_high=spec.clip_ratio_high, clip_ratio_c=spec.clip_ratio_c,
+                response_mask=micro["response_mask"], clip_ratio_low=pl.clip_ratio_low,
+                clip_ratio_high=pl.clip_ratio_high, clip_ratio_c=pl.clip_ratio_c,
                 rollout_is_weights=micro.get("rollout_is_weights"), **agg)
             loss = pg_loss
             metrics = {f"actor/{k}": float(v) * w / total_w for k, v in pg_metrics.items()}
             metrics["actor/pg_loss"] = float(pg_loss.detach())
             ent = algos.entropy_bonus(entropy, micro["response_mask"], **agg)
             metrics["actor/entropy"] = float(ent.detach())
-            if spec.entropy_coeff:
-                loss = loss - spec.entropy_coeff * ent
+            if pl.entropy_coeff:
+                loss = loss - pl.entropy_coeff * ent
             if "rollout_log_prob" in micro:
                 diff = algos.agg_loss((log_prob.detach() - micro["rollout_log_prob"]).abs(), micro["response_mask"],
                                       **agg)
                 metrics["rollout/trainer_logprob_abs_diff"] = float(diff)
-            if spec.kl_coef and spec.use_kl_loss and "ref_log_prob" in micro:
+            if kl.coef and kl.use_loss and "ref_log_prob" in micro:
                 kl_loss, _ = algos.compute_kl_loss(log_prob=log_prob, ref_log_prob=micro["ref_log_prob"],
-                                                   response_mask=micro["response_mask"], kind=spec.kl_estimator, **agg)
-                loss = loss + spec.kl_coef * kl_loss
+                                                   response_mask=micro["response_mask"], kind=kl.estimator, **agg)
+                loss = loss + kl.coef * kl_loss
                 metrics["actor/kl_loss"] = float(kl_loss.detach())
             loss.backward()
             for k, v in metrics.items():
@@ -154,32 +151,3 @@ class Actor:
         acc["actor/grad_norm"] = float(grad_norm)
         acc["actor/padding_fraction"] = padding_fraction(lengths.tolist(), micros)
         return acc
-
-
-def _trim(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop columns that are padding in every row of the micro-batch (rows are right-padded)."""
-    L = int(micro["attention_mask"].sum(-1).max())
-    return {k: (v[:, :L] if v.dim() == 2 else v) for k, v in micro.items()}
-
-
-@torch.no_grad()
-def logprobs_in_microbatches(model, input_ids, attention_mask, response_mask, *, temperature: float,
-                             max_tokens: int, with_entropy: bool = False):
-    """Token-budgeted no-grad log-probs (and entropy) ``[B, L]`` float32 for a whole batch."""
-    B, L = input_ids.shape
-    logprobs = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
-    entropy = torch.zeros_like(logprobs) if with_entropy else None
-    was_training = model.training
-    model.eval()
-    for rows in make_microbatches(attention_mask.sum(-1).tolist(), max_tokens):
-        micro = _trim({"input_ids": input_ids[rows], "attention_mask": attention_mask[rows],
-                       "response_mask": response_mask[rows]})
-        lp, ent = compute_logprobs_entropy(model, micro["input_ids"], micro["attention_mask"],
-                                           micro["response_mask"], temperature=temperature,
-                                           compute_entropy=with_entropy)
-        width = lp.shape[1]
-        logprobs[rows, :width] = lp
-        if with_entropy:
-            entropy[rows, :width] = ent
-    model.train(was_training)
-    return logprobs, entropy

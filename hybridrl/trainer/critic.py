@@ -1,76 +1,64 @@
-"""The PPO critic: a Hugging Face base-model backbone (``AutoModel``) + a scalar value head.
-
-Alignment matches the log-probs (docs/interfaces.md): ``values[b, t]`` is the value of the
-state *before* token t, i.e. V(input_ids[b, :t]), read from the hidden state at t-1 — the
-same position whose logits predict token t. So ``values`` lines up with ``response_mask``
-and ``logprobs`` ``[B, L]``; position 0 and padding (attention_mask 0) hold 0.
-Its optimizer is created by the loop (``critic.parameters()``).
-"""
+"""The critic (PPO with GAE): a value model, its optimizer, and the clipped value-loss
+update — the same shape as the Actor, aggregating with the run's ``loss_agg_mode``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from torch import nn
 
-VALUE_HEAD_FILE = "value_head.safetensors"
+from hybridrl import algos
+from hybridrl.attention.packing import make_microbatches
+from hybridrl.config import OptimConfig, ValueConfig
+from hybridrl.trainer.value_model import ValueModel
 
 
-class Critic(nn.Module):
-    """``backbone`` (an HF base model returning ``last_hidden_state``) + ``value_head`` Linear(H, 1)."""
+class Critic:
+    """``model`` predicts ``values [B, L]`` aligned with ``response_mask`` (see value_model.py).
 
-    def __init__(self, backbone: nn.Module):
-        super().__init__()
-        self.backbone = backbone
-        hidden = backbone.config.hidden_size
-        self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
-        # small init (OpenRLHF): initial values ≈ 0 without freezing the backbone's gradient
-        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1))
+    ``loss_agg_mode`` is the run's ``algo.loss_agg_mode`` (the same key the Actor reads);
+    ``loss_scale_factor`` is seq-mean-token-sum-norm's constant.
+    """
 
-    @classmethod
-    def from_config(cls, hf_config, *, dtype: torch.dtype = torch.float32, seed: int | None = None) -> "Critic":
-        """Random-init critic from an HF config (e.g. the actor's ``model.config``)."""
-        from transformers import AutoModel
+    def __init__(self, model: ValueModel, *, optim: OptimConfig, value: ValueConfig, loss_agg_mode: str,
+                 loss_scale_factor: float | None = None, max_tokens_per_microbatch: int = 8192):
+        self.model = model
+        self.cliprange = value.cliprange
+        self.loss_agg_mode, self.loss_scale_factor = loss_agg_mode, loss_scale_factor
+        self.grad_clip = optim.grad_clip
+        self.max_tokens = max_tokens_per_microbatch
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.critic_lr, betas=tuple(optim.betas))
 
-        if seed is not None:
-            torch.manual_seed(seed)
-        return cls(AutoModel.from_config(hf_config, dtype=dtype))
+    @torch.no_grad()
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Old values ``[B, L]`` (0 outside the response), in token-budget micro-batches."""
+        self.model.eval()
+        out = torch.zeros_like(batch["response_mask"])
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        for rows in make_microbatches(lengths, self.max_tokens):
+            width = max(lengths[i] for i in rows)
+            v = self.model.values(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width])
+            out[rows, :width] = v * batch["response_mask"][rows, :width]
+        return out
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32) -> "Critic":
-        """From a local checkpoint directory: a saved critic, or any causal-LM / base-model checkpoint
-        (the usual PPO start: the actor's or reward model's weights; ``lm_head`` is dropped and a
-        fresh value head is created)."""
-        from transformers import AutoModel
-
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"critic path {str(path)!r}: no config.json; point it at a local HF checkpoint directory")
-        critic = cls(AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True))
-        head = path / VALUE_HEAD_FILE
-        if head.is_file():
-            from safetensors.torch import load_file
-
-            critic.value_head.load_state_dict(load_file(str(head)))
-        return critic
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """HF-format backbone (config.json + safetensors) and ``value_head.safetensors``."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.backbone.save_pretrained(path)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.value_head.state_dict().items()},
-                  str(path / VALUE_HEAD_FILE))
-
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``input_ids, attention_mask [B, L]`` → ``values [B, L]`` float32 (V(prefix before t); see module doc)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
-        v = self.value_head(hidden.float()).squeeze(-1)  # (B, L): value after reading token t
-        v = torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)  # shift: position t ← state before t
-        return torch.where(attention_mask.bool(), v, 0.0)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.values(input_ids, attention_mask)
+    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step of clipped value regression over the batch (``input_ids``,
+        ``attention_mask``, ``response_mask``, ``returns``, ``values`` ``[B, L]``),
+        accumulated over token-budget micro-batches with the whole batch's normalizer."""
+        self.model.train()
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        micros = make_microbatches(lengths, self.max_tokens)
+        info = algos.GlobalBatchInfo.from_masks([batch["response_mask"][m] for m in micros])
+        self.optimizer.zero_grad(set_to_none=True)
+        total, clipfrac = 0.0, 0.0
+        for rows in micros:
+            width = max(lengths[i] for i in rows)
+            mb = {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}
+            vpreds = self.model.values(mb["input_ids"], mb["attention_mask"])
+            loss, m = algos.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                               cliprange_value=self.cliprange, loss_agg_mode=self.loss_agg_mode,
+                                               global_batch_info=info, loss_scale_factor=self.loss_scale_factor)
+            loss.backward()
+            total += float(loss.detach())
+            clipfrac += float(m["vf_clipfrac"]) * len(rows) / len(lengths)
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        return {"critic/vf_loss": total, "critic/grad_norm": float(gn), "critic/vf_clipfrac": clipfrac}

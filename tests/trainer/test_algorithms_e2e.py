@@ -31,28 +31,28 @@ def _run(tmp_path, extra, *, must_update=True):
 
 @pytest.mark.parametrize("estimator", sorted(ADV_ESTIMATORS))
 def test_each_advantage_estimator_runs(tmp_path, estimator):
-    steps = _run(tmp_path, [f"algo.adv_estimator={estimator}"])
+    steps = _run(tmp_path, [f"algo.advantage.estimator={estimator}"])
     if estimator == "gae":
         assert "critic/vf_loss" in steps[0]
 
 
 @pytest.mark.parametrize("loss", sorted(POLICY_LOSSES))
 def test_each_policy_loss_runs(tmp_path, loss):
-    _run(tmp_path, [f"algo.policy_loss={loss}"])
+    _run(tmp_path, [f"algo.policy_loss.name={loss}"])
 
 
 def test_off_policy_corrections_and_dapo_extras_run(tmp_path):
-    steps = _run(tmp_path, ["trainer.mini_batch_size=8", "trainer.ppo_epochs=2", "algo.tis_cap=2.0",
-                            "algo.mismatch_seq_upper=3.0", "algo.dynamic_sampling=true", "algo.overlong_filter=true",
-                            "algo.overlong_buffer_len=2", "algo.clip_ratio_high=0.28", "algo.kl_coef=0.01",
-                            "algo.use_kl_loss=false", "algo.adaptive_kl_target=0.1", "algo.entropy_coeff=0.01"],
+    steps = _run(tmp_path, ["trainer.mini_batch_size=8", "trainer.ppo_epochs=2", "algo.correction.tis_cap=2.0",
+                            "algo.correction.mismatch_seq_upper=3.0", "algo.dapo.dynamic_sampling=true", "algo.dapo.overlong_filter=true",
+                            "algo.dapo.overlong_buffer_len=2", "algo.policy_loss.clip_ratio_high=0.28", "algo.kl.coef=0.01",
+                            "algo.kl.use_loss=false", "algo.kl.adaptive_target=0.1", "algo.policy_loss.entropy_coeff=0.01"],
                  must_update=False)  # dynamic sampling may drop every group of an untrained model
     assert "actor/tis_ratio_mean" in steps[0] and "actor/kl_coef" in steps[0]
     assert 0.0 <= steps[0]["batch/kept_fraction"] <= 1.0
 
 
 def test_dynamic_sampling_refill(tmp_path):
-    steps = _run(tmp_path, ["algo.dynamic_sampling=true", "algo.dynamic_sampling_refill_rounds=2",
+    steps = _run(tmp_path, ["algo.dapo.dynamic_sampling=true", "algo.dapo.refill_rounds=2",
                             "trainer.sft_steps=30"], must_update=False)
     for r in steps:
         assert 0 <= r["batch/refill_rounds"] <= 2
@@ -64,16 +64,16 @@ def test_merge_keeps_rows_and_scores_aligned():
 
     import torch
 
-    from hybridrl.trainer.rl_step import merge, sample, score
-    from hybridrl.trainer.setup import build_run
+    from hybridrl.trainer.build import build_run
+    from hybridrl.trainer.step_batch import merge
 
     cfg = load_config(None, TINY + ["trainer.output_dir=/tmp/hybridrl-test-merge", "trainer.run_name=m"])
-    parts = build_run(cfg, console=lambda s: None)
-    rng = random.Random(3)
-    a, b = sample(parts, cfg, rng), sample(parts, cfg, rng)
-    score(parts, cfg, a)
-    score(parts, cfg, b)
-    m = merge(parts, a, b)
+    run = build_run(cfg, console=lambda s: None)
+    step, rng = run.step, random.Random(3)
+    a, b = step.sample(rng), step.sample(rng)
+    step.score(a)
+    step.score(b)
+    m = merge(a, b, pad_id=step.pad_id)
     n_a = len(a.index)
     assert m.index == a.index + [i + len(a.batch_idx) for i in b.index]
     assert torch.equal(m.raw_scores, torch.cat([a.raw_scores, b.raw_scores]))
@@ -82,4 +82,4 @@ def test_merge_keeps_rows_and_scores_aligned():
         for j, i in enumerate(rows):
             assert torch.equal(m.rollouts.input_ids[i, :width], src.rollouts.input_ids[j])
             assert torch.equal(m.rollouts.logprobs[i, :width], src.rollouts.logprobs[j])
-            assert m.rollouts.input_ids[i, width:].eq(parts.pad_id).all()
+            assert m.rollouts.input_ids[i, width:].eq(step.pad_id).all()

@@ -25,17 +25,17 @@ def _engine_state(engine):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    cfg = load_config(None, TINY + [f"trainer.output_dir={out}", "trainer.run_name=e2e", "algo.kl_coef=0.01"])
-    from hybridrl.trainer import setup
+    cfg = load_config(None, TINY + [f"trainer.output_dir={out}", "trainer.run_name=e2e", "algo.kl.coef=0.01"])
+    from hybridrl.trainer import build
 
     captured = {}
-    real_build = setup.build_run
+    real_build = build.build_run
 
     def spy(*a, **k):
-        parts = real_build(*a, **k)
-        captured["parts"] = parts
-        captured["initial"] = {n: p.detach().clone() for n, p in parts.actor.model.named_parameters()}
-        return parts
+        run = real_build(*a, **k)
+        captured["run"] = run
+        captured["initial"] = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
+        return run
 
     import hybridrl.trainer.loop as loop
     loop.build_run = spy
@@ -66,16 +66,16 @@ def test_metrics_and_outputs_written(run):
 
 def test_weights_changed_and_engine_equals_actor(run):
     result, captured = run
-    parts = captured["parts"]
-    model = parts.actor.model
+    run = captured["run"]
+    model = run.policy
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, captured["initial"][n])]
     assert len(changed) == len(captured["initial"])
     # engine logits == actor logits after the last refit (same weights, fp32)
-    ids = torch.randint(4, len(parts.tokenizer), (3, 9))
+    ids = torch.randint(4, len(run.tokenizer), (3, 9))
     mask = torch.ones_like(ids)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits.float()
-    torch.testing.assert_close(parts.engine.logits(ids, mask), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(run.step.rollout.engine.logits(ids, mask), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_checkpoint_reloads(run):
@@ -86,6 +86,6 @@ def test_checkpoint_reloads(run):
     model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     assert tok.decode(tok.encode("12+3=", add_special_tokens=False)) == "12+3="
-    actor = captured["parts"].actor.model
+    actor = captured["run"].policy
     for (n, a), (_, b) in zip(actor.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), n

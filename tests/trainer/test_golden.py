@@ -35,10 +35,10 @@ CASES = {
     # the default job (GRPO, on-policy, no reference), shortened
     "default": [],
     # PPO with a critic, KL as a reward penalty, 2 epochs over 4 mini-batches (old log-probs pass)
-    "ppo_gae_kl_penalty": ["algo.adv_estimator=gae", "algo.kl_coef=0.05", "algo.use_kl_loss=false",
+    "ppo_gae_kl_penalty": ["algo.advantage.estimator=gae", "algo.kl.coef=0.05", "algo.kl.use_loss=false",
                            "trainer.mini_batch_size=64", "trainer.ppo_epochs=2", "trainer.prompts_per_step=32"],
     # ReMax (greedy baselines), KL loss, truncated IS, FP8 rollout weights, seq-mean aggregation
-    "remax_kl_loss_tis_fp8": ["algo.adv_estimator=remax", "algo.kl_coef=0.01", "algo.tis_cap=2.0",
+    "remax_kl_loss_tis_fp8": ["algo.advantage.estimator=remax", "algo.kl.coef=0.01", "algo.correction.tis_cap=2.0",
                               "rollout.quantization=fp8", "algo.loss_agg_mode=seq-mean-token-mean"],
 }
 
@@ -73,7 +73,7 @@ def test_golden(case: str, tmp_path: Path) -> None:
         path.write_text(json.dumps({"cpu_capability": capability, "torch": torch.__version__,
                                     "overrides": CASES[case], "rows": rows}, indent=1))
         pytest.skip(f"recorded {path}")
-    golden = json.loads(path.read_text())
+    golden = json.loads(path.read_text())  # recorded with the keys of the time (same meaning)
     exact = golden["cpu_capability"] == capability and golden["torch"] == torch.__version__
     assert len(rows) == len(golden["rows"]), "number of logged steps changed"
     for got, want in zip(rows, golden["rows"]):

@@ -9,7 +9,7 @@ from hybridrl.trainer.loop import train
 @pytest.mark.slow
 def test_ppo_with_critic_raises_accuracy(tmp_path):
     cfg = load_config(None, [
-        "algo.adv_estimator=gae", "algo.lam=0.95", "trainer.total_steps=100", "trainer.eval_every=50",
+        "algo.advantage.estimator=gae", "algo.advantage.lam=0.95", "trainer.total_steps=100", "trainer.eval_every=50",
         "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
         "trainer.save_checkpoint=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=ppo",
     ])

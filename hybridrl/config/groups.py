@@ -1,27 +1,17 @@
-"""Typed run configuration: one small dataclass per component, validated at construction.
-
-Every field carries a one-line doc in ``metadata["help"]`` (shown by ``hybridrl train
---help``). Validation happens before any work: wrong values and impossible combinations
-raise :class:`ConfigError`, a one-line ``ValueError`` that names the key and the fix.
-Reading YAML and dotted overrides (unknown keys, types) lives in ``config_io.py``.
+"""The configuration groups other than ``algo`` (see ``algo.py``), and the whole
+:class:`Config` with its cross-group checks. Reading YAML and dotted overrides lives in
+``hybridrl/config_io.py``.
 """
 
 from __future__ import annotations
 
-import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any
 
+from hybridrl.config.algo import AlgoConfig
+from hybridrl.config.base import ConfigError, _f, check_number
 
-class ConfigError(ValueError):
-    """A user mistake in the configuration (one line: key, problem, fix)."""
-
-
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+MAX_RESPONSE_TOKENS = 1 << 17  # beyond any model's context today; a typo guard, not a model limit
 
 
 @dataclass(kw_only=True)
@@ -41,6 +31,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use float32 or bfloat16")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size"):
+            check_number(getattr(self, key), f"model.{key}", low=1)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model.num_attention_heads must be a multiple of model.num_key_value_heads")
         if self.hidden_size % self.num_attention_heads:
@@ -66,6 +59,9 @@ class DataConfig:
             raise ConfigError(f"data.operations={self.operations!r}: use a non-empty subset of '+-*'")
         if not 1 <= self.num_digits <= 6:
             raise ConfigError(f"data.num_digits={self.num_digits}: use 1..6")
+        check_number(self.train_size, "data.train_size", low=1)
+        check_number(self.eval_size, "data.eval_size", low=0)
+        check_number(self.max_prompt_length, "data.max_prompt_length", low=1)
 
 
 @dataclass(kw_only=True)
@@ -74,8 +70,7 @@ class RewardConfig:
     timeout_s: float = _f(10.0, "a reward call running longer scores 0 and is counted as a failure")
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ConfigError(f"reward.timeout_s={self.timeout_s}: must be > 0")
+        check_number(self.timeout_s, "reward.timeout_s", low=0, low_open=True)
 
 
 @dataclass(kw_only=True)
@@ -90,72 +85,19 @@ class RolloutConfig:
     backend: str = _f("builtin", "rollout engine: builtin (vllm: not yet supported)")
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"rollout.n={self.n}: need at least 1 sample per prompt")
-        if self.max_tokens < 1:
-            raise ConfigError(f"rollout.max_tokens={self.max_tokens}: must be >= 1")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ConfigError(f"rollout.top_k={self.top_k}: use -1 (off) or a positive k")
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        from hybridrl.rollout.sampling_params import SamplingParams
+
+        check_number(self.temperature, "rollout.temperature", low=0)
+        check_number(self.max_tokens, "rollout.max_tokens", low=1, high=MAX_RESPONSE_TOKENS)
+        try:  # the engine's own checks, one source of truth, reported under this group's keys
+            SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                           max_tokens=self.max_tokens, n=self.n)
+        except ValueError as e:
+            raise ConfigError(str(e).replace("SamplingParams.", "rollout.")) from None
         if self.quantization not in (None, "fp8", "fp8_block"):
             raise ConfigError(f"rollout.quantization={self.quantization!r}: use null, fp8 or fp8_block")
         if self.backend != "builtin":
             raise ConfigError(f"rollout.backend={self.backend!r}: only 'builtin' is available in this release")
-
-
-@dataclass(kw_only=True)
-class AlgoConfig:
-    adv_estimator: str = _f("grpo", "grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | gae")
-    norm_adv_by_std_in_grpo: bool = _f(True, "grpo: divide by the group std")
-    policy_loss: str = _f("vanilla", "vanilla (PPO clip; dual clip via clip_ratio_c, DAPO clip-higher via clip_ratio_high) | gspo | cispo | reinforce")
-    clip_ratio_low: float = _f(0.2, "PPO clip epsilon (lower side)")
-    clip_ratio_high: float = _f(0.2, "PPO clip epsilon (upper side; > low = DAPO clip-higher)")
-    clip_ratio_c: float | None = _f(3.0, "dual-clip constant c (> 1); null = dual clip off")
-    loss_agg_mode: str = _f("token-mean", "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm")
-    kl_coef: float = _f(0.0, "KL coefficient (0 = no reference model)")
-    kl_estimator: str = _f("k3", "k1 | k2 | k3 | abs | low_var_kl | mse")
-    use_kl_loss: bool = _f(True, "KL as a loss term (True) or a reward penalty (False)")
-    adaptive_kl_target: float | None = _f(None, "reward-penalty KL: target KL for the adaptive controller; None = fixed")
-    kl_horizon: int = _f(10000, "adaptive KL controller horizon (samples)")
-    entropy_coeff: float = _f(0.0, "entropy bonus coefficient")
-    gamma: float = _f(1.0, "discount (gae, reinforce_plus_plus)")
-    lam: float = _f(1.0, "GAE lambda")
-    tis_cap: float | None = _f(None, "truncated importance sampling cap C for rollout/trainer mismatch; None = off")
-    mismatch_seq_upper: float | None = _f(None, "mask sequences whose trainer/rollout geometric-mean ratio exceeds this; None = off")
-    mismatch_seq_lower: float | None = _f(None, "lower bound of that ratio (default 1/upper)")
-    dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
-    dynamic_sampling_refill_rounds: int = _f(0, "DAPO: extra sampling rounds to refill the batch with informative groups (0 = no refill)")
-    overlong_filter: bool = _f(False, "DAPO: mask truncated responses out of the loss")
-    overlong_buffer_len: int = _f(0, "DAPO overlong shaping buffer (tokens); 0 = off")
-    overlong_penalty_factor: float = _f(1.0, "DAPO overlong penalty at the max length")
-    cliprange_value: float = _f(0.2, "PPO value clip")
-
-    def __post_init__(self) -> None:
-        from hybridrl.algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-
-        for key, choices in (("adv_estimator", ADV_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
-                             ("loss_agg_mode", LOSS_AGG_MODES), ("kl_estimator", KL_ESTIMATORS)):
-            value = getattr(self, key)
-            if value not in list(choices):
-                close = difflib.get_close_matches(value, list(choices), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"choose one of {', '.join(choices)}"
-                raise ConfigError(f"algo.{key}={value!r} is unknown; {hint}")
-        if self.kl_coef < 0:
-            raise ConfigError(f"algo.kl_coef={self.kl_coef}: must be >= 0")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ConfigError(f"algo.tis_cap={self.tis_cap}: must be > 0 (typical 2.0) or null to disable")
-        if self.dynamic_sampling_refill_rounds < 0 or (self.dynamic_sampling_refill_rounds and not self.dynamic_sampling):
-            raise ConfigError("algo.dynamic_sampling_refill_rounds needs algo.dynamic_sampling=true and a value >= 0")
-        if self.mismatch_seq_lower is not None and self.mismatch_seq_upper is None:
-            raise ConfigError("algo.mismatch_seq_lower needs algo.mismatch_seq_upper (the masking is off without it)")
-        if self.adaptive_kl_target is not None and (self.use_kl_loss or self.kl_coef == 0):
-            raise ConfigError("algo.adaptive_kl_target applies to the KL reward penalty: set algo.use_kl_loss=false "
-                              "and algo.kl_coef > 0, or remove it")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            raise ConfigError(f"algo.clip_ratio_c={self.clip_ratio_c}: dual-clip needs c > 1")
 
 
 @dataclass(kw_only=True)
@@ -169,15 +111,17 @@ class OptimConfig:
     grad_clip: float = _f(1.0, "max gradient norm")
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.sft_lr <= 0:
-            raise ConfigError("optim.lr and optim.sft_lr must be > 0")
-        if len(self.betas) != 2:
-            raise ConfigError(f"optim.betas={self.betas}: give two numbers, e.g. [0.9, 0.99]")
+        for key in ("lr", "sft_lr", "critic_lr", "grad_clip"):
+            check_number(getattr(self, key), f"optim.{key}", low=0, low_open=True)
+        check_number(self.weight_decay, "optim.weight_decay", low=0)
+        check_number(self.warmup_steps, "optim.warmup_steps", low=0)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.99]")
 
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    total_steps: int = _f(1200, "GRPO steps (one rollout batch each)")
+    total_steps: int = _f(1200, "RL steps (one rollout batch each)")
     prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
     mini_batch_size: int | None = _f(None, "responses per optimizer step (must divide the batch); null = the whole batch: on-policy, no old-log-prob pass")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
@@ -236,14 +180,15 @@ class Config:
             raise ConfigError(
                 f"trainer.mini_batch_size={self.trainer.mini_batch_size} does not divide the batch "
                 f"trainer.prompts_per_step * rollout.n = {batch}; pick a divisor of {batch}")
-        if self.algo.adv_estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
-            raise ConfigError(f"algo.adv_estimator={self.algo.adv_estimator} needs groups: set rollout.n >= 2")
+        estimator = self.algo.advantage.estimator
+        if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
+            raise ConfigError(f"algo.advantage.estimator={estimator} needs groups: set rollout.n >= 2")
         if self.rollout.temperature == 0 and self.rollout.n > 1:
             raise ConfigError("rollout.temperature=0 makes all rollout.n samples of a prompt identical "
                               "(zero advantage); use a temperature > 0")
+        if not self.data.train_files and self.trainer.prompts_per_step > self.data.train_size:
+            raise ConfigError(f"trainer.prompts_per_step={self.trainer.prompts_per_step} exceeds "
+                              f"data.train_size={self.data.train_size}; lower it or add prompts")
 
 
 GROUPS: dict[str, type] = typing.get_type_hints(Config)
-
-
-

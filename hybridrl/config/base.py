@@ -1,0 +1,47 @@
+"""What every config group shares: the error type, the field helper, value checks.
+
+Every field carries a one-line doc in ``metadata["help"]`` (``hybridrl train --help``).
+Checks raise :class:`ConfigError`: one line naming the key, the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import field
+from typing import Any
+
+from hybridrl.did_you_mean import suggest
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration (one line: key, problem, fix)."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def check_choice(value: Any, choices: Iterable[str], key: str) -> None:
+    choices = list(choices)
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is unknown; {suggest(value, choices)}")
+
+
+def check_number(value: float | int | None, key: str, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, hint: str = "") -> None:
+    """Finite and within ``[low, high]`` (``(low, high]`` with ``low_open``); ``None`` passes."""
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+        hi = "" if high is None else f"<= {high}"
+        bound = " and ".join(b for b in (lo, hi) if b) or "finite"
+        raise ConfigError(f"{key}={value}: must be a finite number {bound}{'; ' + hint if hint else ''}")

@@ -1,0 +1,168 @@
+"""Build a run from a :class:`Config`: data, the typed components, the step, the logs.
+
+Each component receives its own config object (``algo.policy_loss``, ``algo.kl``,
+``algo.value``, ``optim``) or plain values, never the whole ``Config``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hybridrl.config import Config
+from hybridrl.trainer.metrics_log import MetricsLog
+from hybridrl.trainer.prompts import PromptSet
+from hybridrl.trainer.rl_step import BatchShape, RLStep
+
+Console = Callable[[str], None]
+
+
+@dataclass
+class Run:
+    """What the loop drives: the step (which owns the components), data, outputs."""
+
+    cfg: Config
+    run_dir: Path
+    tokenizer: PreTrainedTokenizerBase
+    step: RLStep
+    eval_set: PromptSet
+    sft_pairs: tuple[list[list[int]], list[list[int]]] | None  # (prompts, answers) for the warm start
+    log: MetricsLog
+    console: Console
+
+    @property
+    def policy(self) -> PreTrainedModel:
+        return self.step.actor.model
+
+    def describe_model(self) -> str:
+        n = sum(p.numel() for p in self.policy.parameters())
+        c = self.policy.config
+        return f"{c.model_type}, {n / 1e6:.2f}M params, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+
+
+def build_run(cfg: Config, console: Console | None = None) -> Run:
+    from hybridrl.rewards import RewardRunner, get_reward_fn
+    from hybridrl.rollout import RolloutEngine, SamplingParams
+    from hybridrl.trainer.actor import Actor
+    from hybridrl.trainer.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
+    from hybridrl.trainer.rollout_worker import RolloutWorker
+    from hybridrl.trainer.scoring import RewardScorer
+
+    if console is None:
+        from tqdm.auto import tqdm
+
+        console = tqdm.write  # prints above an active progress bar instead of through it
+    t, m, a, r = cfg.trainer, cfg.model, cfg.algo, cfg.rollout
+    if t.threads > 0:
+        torch.set_num_threads(t.threads)
+    torch.manual_seed(t.seed)
+    dtype = DTYPES[m.dtype]
+    runner = RewardRunner(get_reward_fn(cfg.reward.function), timeout_s=cfg.reward.timeout_s)
+    if m.path:
+        model, tokenizer = load_pretrained(m.path, dtype)
+    else:
+        tokenizer = builtin_tokenizer()
+        model = builtin_model(tokenizer, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+                              num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+                              intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
+                              seed=t.seed, dtype=dtype)
+    model.to(t.device)
+    sft = None
+    if cfg.data.train_files:
+        train_set, eval_set = _file_data(cfg, tokenizer, console)
+    else:
+        train_set, eval_set, sft = _arithmetic_data(cfg, tokenizer)
+    if len(train_set) < t.prompts_per_step:
+        raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(train_set)} usable "
+                         "training prompts; lower trainer.prompts_per_step or add data")
+    run_dir = _fresh_run_dir(Path(t.output_dir) / t.run_name)
+    max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
+    engine = RolloutEngine(model.config, max_batch_size=min(t.prompts_per_step * r.n, 256),
+                           max_seq_len=max_prompt + r.max_tokens, dtype=dtype, device=t.device,
+                           quantization=r.quantization, enforce_eager=r.enforce_eager)
+    actor = Actor(model, optim=cfg.optim, policy_loss=a.policy_loss, kl=a.kl, loss_agg_mode=a.loss_agg_mode,
+                  temperature=r.temperature, loss_scale_factor=float(r.max_tokens),
+                  max_tokens_per_microbatch=t.max_tokens_per_microbatch, shared_prefix=t.shared_prefix)
+    eos = tokenizer.eos_token_id
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
+                              stop_token_ids=(eos,) if eos is not None else (), n=r.n)
+    rollout = RolloutWorker(engine, sampling, device=torch.device(t.device), bucket_bytes=t.refit_bucket_mb << 20,
+                            verify_refit=t.refit_verify)
+    generator = torch.Generator().manual_seed(t.seed)
+    rollout.refit(model)  # first load = the refit path
+    critic = _critic(cfg, model.config, dtype) if a.advantage.estimator == "gae" else None
+    shape = BatchShape(prompts_per_step=t.prompts_per_step, samples_per_prompt=r.n,
+                       mini_batch_size=t.mini_batch_size, epochs=t.ppo_epochs, max_response_tokens=r.max_tokens)
+    step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
+                  train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator)
+    return Run(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, step=step, eval_set=eval_set, sft_pairs=sft,
+               log=MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard), console=console)
+
+
+def _critic(cfg: Config, hf_config, dtype: torch.dtype):
+    from hybridrl.trainer.critic import Critic
+    from hybridrl.trainer.value_model import ValueModel
+
+    t = cfg.trainer
+    model = ValueModel.from_config(hf_config, dtype=dtype, seed=t.seed).to(t.device)
+    return Critic(model, optim=cfg.optim, value=cfg.algo.value, loss_agg_mode=cfg.algo.loss_agg_mode,
+                  loss_scale_factor=float(cfg.rollout.max_tokens), max_tokens_per_microbatch=t.max_tokens_per_microbatch)
+
+
+def _fresh_run_dir(run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # a reused run name starts clean: old metrics and event files would mix into the new curves
+    for stale in ("metrics.jsonl", "curves.png"):
+        if (run_dir / stale).exists():
+            os.remove(run_dir / stale)
+    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    return run_dir
+
+
+def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tuple]:
+    from hybridrl.data.arithmetic import arithmetic_splits
+    from hybridrl.data.char_tokenizer import encode_prompt
+
+    d = cfg.data
+    train, ev = arithmetic_splits(num_digits=d.num_digits, operations=d.operations, train_size=d.train_size,
+                                  eval_size=d.eval_size, seed=d.seed)
+
+    def to_set(exs):
+        return PromptSet([encode_prompt(tokenizer, e.prompt) for e in exs], [e.answer for e in exs],
+                         [e.prompt for e in exs])
+
+    tr = to_set(train)
+    sft = (tr.prompts, [tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id] for a in tr.answers])
+    return tr, to_set(ev), sft
+
+
+def _file_data(cfg: Config, tokenizer, console: Console) -> tuple[PromptSet, PromptSet]:
+    from hybridrl.data.files import load_prompt_files
+
+    d = cfg.data
+
+    def load(files):
+        recs, report = load_prompt_files(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                         max_prompt_length=d.max_prompt_length)
+        console(f"data {', '.join(files)}: {report.summary()}")
+        return PromptSet([r.prompt_ids for r in recs], [r.answer for r in recs],
+                         [tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in recs])
+
+    train = load(d.train_files)
+    if not train.prompts:
+        raise ValueError(f"data.train_files {d.train_files}: no usable prompts (see the skip counts above)")
+    if d.val_files:
+        return train, load(d.val_files)
+    rng = random.Random(d.seed)
+    order = list(range(len(train.prompts)))
+    rng.shuffle(order)
+    n_eval = min(d.eval_size, max(1, len(order) // 20))
+    ev_idx, tr_idx = order[:n_eval], order[n_eval:] or order
+    return train.subset(tr_idx), train.subset(ev_idx)

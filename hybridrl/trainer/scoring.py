@@ -1,0 +1,38 @@
+"""Scoring responses: decode with the tokenizer, run the reward, and the one greedy
+evaluation that both held-out eval and the ReMax baseline use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridrl.rewards import RewardBatch, RewardRunner
+from hybridrl.trainer.prompts import PromptSet
+from hybridrl.trainer.rollout_worker import RolloutWorker
+
+
+class RewardScorer:
+    """``RewardRunner`` over decoded response tokens."""
+
+    def __init__(self, runner: RewardRunner, tokenizer: Any):
+        self.runner, self.tokenizer = runner, tokenizer
+
+    def score(self, response_token_ids: list[list[int]], answers: list[Any], prompt_texts: list[str]) -> RewardBatch:
+        texts = self.tokenizer.batch_decode(response_token_ids, skip_special_tokens=True)
+        return self.runner.score(texts, answers, prompt_texts)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def greedy_scores(rollout: RolloutWorker, scorer: RewardScorer, prompts: PromptSet) -> list[float]:
+    """The reward of each prompt's greedy response (held-out eval; ReMax's baseline)."""
+    out = rollout.greedy(prompts.prompts)
+    return scorer.score(out.response_token_ids, prompts.answers, prompts.prompt_texts).scores
+
+
+def greedy_accuracy(rollout: RolloutWorker, scorer: RewardScorer, prompts: PromptSet) -> float:
+    """Share of prompts whose greedy response scores > 0.5 (NaN for an empty set)."""
+    if not len(prompts):
+        return float("nan")
+    scores = greedy_scores(rollout, scorer, prompts)
+    return sum(s > 0.5 for s in scores) / len(scores)

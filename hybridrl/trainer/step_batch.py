@@ -1,0 +1,61 @@
+"""The data of one RL step as it moves through the phases.
+
+Rows are prompt-major: ``rollout.n`` consecutive samples per prompt, ``index[b]`` the
+prompt id (group) of row b. Tensors are ``[B, L]`` right-padded rows on the trainer
+device (docs/interfaces.md), plus ``prompt_len`` and ``group`` ``[B]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridrl.rollout import Rollouts
+from hybridrl.rollout.rollouts import build_rollouts
+
+
+@dataclass
+class StepBatch:
+    batch_idx: list[int]  # training-set row of each prompt
+    index: list[int]  # prompt id of each response row [B]
+    rollouts: Rollouts  # tensors on the trainer device
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # what Actor.update reads
+    raw_scores: torch.Tensor | None = None  # [B] verifier scores
+    scores: torch.Tensor | None = None  # [B] after overlong shaping
+    returns: torch.Tensor | None = None  # [B, L]
+    values: torch.Tensor | None = None  # [B, L] critic values (gae)
+    failures: int = 0  # reward calls that failed (scored 0)
+    extras: dict[str, float] = field(default_factory=dict)  # reward-reported metrics (batch means)
+
+    @classmethod
+    def from_rollouts(cls, batch_idx: list[int], index: list[int], ro: Rollouts) -> "StepBatch":
+        return cls(batch_idx=batch_idx, index=index, rollouts=ro, tensors=row_tensors(ro, index))
+
+
+def row_tensors(ro: Rollouts, index: list[int]) -> dict[str, torch.Tensor]:
+    """What the update reads per row: ``[B, L]`` tensors, plus ``prompt_len`` and ``group``
+    ``[B]`` so the trainer can run each group's shared prompt once."""
+    device = ro.input_ids.device
+    return {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "response_mask": ro.response_mask,
+            "rollout_log_prob": ro.logprobs,
+            "prompt_len": torch.tensor(ro.prompt_lengths, dtype=torch.long, device=device),
+            "group": torch.tensor(index, dtype=torch.long, device=device)}
+
+
+def merge(a: StepBatch, b: StepBatch, *, pad_id: int) -> StepBatch:
+    """One scored batch from two (rows of ``b`` after ``a``; ``b``'s prompt ids shifted)."""
+    ra, rb = a.rollouts, b.rollouts
+    if ra.weight_version != rb.weight_version:
+        raise ValueError(f"merge: batches of weight versions {ra.weight_version} and {rb.weight_version}; "
+                         "only rollouts of one policy form a batch")
+    ro = build_rollouts(ra.prompt_token_ids + rb.prompt_token_ids, ra.response_token_ids + rb.response_token_ids,
+                        ra.response_logprobs + rb.response_logprobs, ra.finish_reasons + rb.finish_reasons,
+                        ra.weight_version, pad_id)
+    for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
+        setattr(ro, name, getattr(ro, name).to(ra.input_ids.device))
+    sb = StepBatch.from_rollouts(a.batch_idx + b.batch_idx, a.index + [i + len(a.batch_idx) for i in b.index], ro)
+    sb.failures = a.failures + b.failures
+    sb.raw_scores = torch.cat([a.raw_scores, b.raw_scores])
+    sb.scores = torch.cat([a.scores, b.scores])
+    return sb
