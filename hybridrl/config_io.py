@@ -46,6 +46,7 @@ RENAMED = {
     "algo.overlong_buffer_len": "algo.dapo.overlong_buffer_len",
     "algo.overlong_penalty_factor": "algo.dapo.overlong_penalty_factor",
     "algo.cliprange_value": "algo.value.cliprange",
+    "reward.function": "reward.functions",
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridrl.config.algo import AlgoConfig
 from hybridrl.config.base import ConfigError, _f, check_number
@@ -66,11 +67,21 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    function: str = _f("exact_match", "built-in reward name, or path/to/file.py:fn / module:fn")
-    timeout_s: float = _f(10.0, "a reward call running longer scores 0 and is counted as a failure")
+    # str | list: a name / path spec, or weighted components [{name, weight, **options}]
+    functions: str | list[dict[str, Any]] = _f(
+        "exact_match", "reward: a built-in name (exact_match, last_number, gsm8k, math_verify, format), "
+        "path/to/file.py:fn or module:fn, or a weighted list [{name: math_verify, weight: 1.0}, "
+        "{name: format, weight: 0.1, pattern: ...}]")
+    timeout_s: float = _f(10.0, "a reward call running longer scores failure_reward and is counted as a failure")
+    workers: int = _f(4, "worker processes for user (untrusted) reward functions")
+    failure_reward: float = _f(0.0, "score of a sample whose reward call failed (raised, hung, bad value)")
 
     def __post_init__(self) -> None:
         check_number(self.timeout_s, "reward.timeout_s", low=0, low_open=True)
+        check_number(self.workers, "reward.workers", low=1)
+        check_number(self.failure_reward, "reward.failure_reward")
+        if isinstance(self.functions, list) and not self.functions:
+            raise ConfigError("reward.functions=[]: give a reward name or at least one {name, weight} entry")
 
 
 @dataclass(kw_only=True)

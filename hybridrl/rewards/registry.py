@@ -1,8 +1,11 @@
 """Reward functions by name.
 
-A reward function is ``fn(response: str, answer, prompt: str) -> float``. Built-ins are
-registered here; a user function is named as ``path/to/file.py:function`` or
-``package.module:function``.
+A reward function is ``fn(response: str, answer, prompt: str) -> float`` (or a dict with
+``score`` and extra metrics, see ``outcome.py``). A *batched* one is
+``fn(responses, answers, prompts) -> list``, called once per batch. Built-ins are
+registered here and in the task modules; a user function is named as
+``path/to/file.py:function`` or ``package.module:function``. Rewards with options
+(``format``'s pattern) also register a factory that builds them from keyword options.
 """
 
 from __future__ import annotations
@@ -10,24 +13,53 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 from typing import Any, Callable
 
-RewardFn = Callable[[str, Any, str], float]
+RewardFn = Callable[..., Any]
 REWARD_FNS: dict[str, RewardFn] = {}
+REWARD_FACTORIES: dict[str, Callable[..., RewardFn]] = {}
 
 _NUMBER = re.compile(r"-?\d+")
 
 
-def register_reward(name: str, *, trusted: bool = False):
+def register_reward(name: str, *, trusted: bool = False, batched: bool = False):
     """Register ``fn`` under ``name``. ``trusted`` marks a pure, bounded-time function
-    (the built-ins) that the runner may call inline, without a worker thread."""
+    (the built-ins) that the runner may call inline instead of in a worker process;
+    ``batched`` marks ``fn(responses, answers, prompts) -> list``."""
     def deco(fn: RewardFn) -> RewardFn:
         fn.hybridrl_trusted = trusted
+        if batched:
+            fn.hybridrl_batched = True
         REWARD_FNS[name] = fn
         return fn
     return deco
+
+
+def register_reward_factory(name: str):
+    """Register ``factory(**options) -> reward`` so that specs can give ``name`` options."""
+    def deco(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        REWARD_FACTORIES[name] = factory
+        return factory
+    return deco
+
+
+def is_trusted(fn: RewardFn) -> bool:
+    return bool(getattr(fn, "hybridrl_trusted", False))
+
+
+def is_batched(fn: RewardFn) -> bool:
+    return bool(getattr(fn, "hybridrl_batched", False))
+
+
+def reward_label(fn: RewardFn) -> str:
+    """A short name for metrics: the registered name, else the function's name."""
+    for name, registered in REWARD_FNS.items():
+        if registered is fn:
+            return name
+    return getattr(fn, "hybridrl_label", None) or getattr(fn, "__name__", type(fn).__name__)
 
 
 @register_reward("exact_match", trusted=True)
@@ -43,29 +75,58 @@ def last_number(response: str, answer: Any, prompt: str = "") -> float:
     return float(bool(found) and answer is not None and found[-1] == str(answer).strip())
 
 
-def _load_user_fn(spec: str) -> RewardFn:
+def _load_user_fn(spec: str, where: str) -> RewardFn:
     target, _, fn_name = spec.rpartition(":")
     if target.endswith(".py"):
-        path = Path(target)
+        path = Path(target).resolve()
         if not path.is_file():
-            raise ValueError(f"reward.function {spec!r}: file {target} not found")
+            raise ValueError(f"{where}={spec!r}: file {target} not found")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
+        # a module loaded from a file is not importable by name, so a worker process
+        # re-loads it from this absolute path (see process_pool.py)
+        worker_spec = f"{path}:{fn_name}"
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ValueError(f"{where}={spec!r}: cannot import {target} ({e}); check the module path") from None
+        worker_spec = None  # importable by name: plain pickling re-imports it
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"reward.function {spec!r}: no callable {fn_name!r} in {target}")
+        raise ValueError(f"{where}={spec!r}: no callable {fn_name!r} in {target}")
+    if worker_spec is not None:
+        fn.hybridrl_spec = worker_spec
     return fn
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """A built-in by name, or a user function given as ``file.py:fn`` / ``module:fn``."""
+def _unknown(name: str, where: str) -> ValueError:
+    known = sorted(set(REWARD_FNS) | set(REWARD_FACTORIES))
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"built-ins: {', '.join(known)}"
+    return ValueError(f"{where}={name!r} is unknown; {hint} (or give path/to/file.py:fn or module:fn)")
+
+
+def get_reward_fn(name: str, *, where: str = "reward.functions", **options: Any) -> RewardFn:
+    """A built-in by name, or a user function given as ``file.py:fn`` / ``module:fn``.
+    ``options`` go to the built-in's factory (e.g. ``get_reward_fn("format", pattern=...)``);
+    ``where`` names the config field in error messages."""
+    if options:
+        factory = REWARD_FACTORIES.get(name)
+        if factory is None:
+            if name in REWARD_FNS or ":" in name:
+                raise ValueError(f"{where}={name!r} takes no options; remove {', '.join(sorted(options))}")
+            raise _unknown(name, where)
+        params = inspect.signature(factory).parameters
+        bad = sorted(set(options) - set(params))
+        if bad:
+            raise ValueError(f"{where}={name!r}: unknown option(s) {', '.join(bad)}; it accepts {', '.join(params)}")
+        return factory(**options)
     if name in REWARD_FNS:
         return REWARD_FNS[name]
+    if name in REWARD_FACTORIES:
+        return REWARD_FACTORIES[name]()
     if ":" in name:
-        return _load_user_fn(name)
-    close = difflib.get_close_matches(name, list(REWARD_FNS), n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"built-ins: {', '.join(REWARD_FNS)}"
-    raise ValueError(f"reward.function={name!r} is unknown; {hint} (or give path/to/file.py:fn)")
+        return _load_user_fn(name, where)
+    raise _unknown(name, where)

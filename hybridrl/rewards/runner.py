@@ -1,110 +1,134 @@
-"""Run a reward function over a batch so that one bad sample costs that sample only.
+"""Score a batch with a reward so that one bad sample costs that sample only.
 
-A call that raises, returns a non-number (or NaN / inf), or runs past ``timeout_s``
-(measured from when that call started, not from the batch start) scores
-``failure_reward`` and is counted in the batch's ``failures``.
+A call that raises (``SystemExit`` included), returns a non-number (or NaN / inf), runs
+past ``timeout_s`` (measured from when that call started, not from the batch start), or
+kills its worker process scores ``failure_reward`` and is counted in the batch's
+``failures`` under its reason ("timeout", "worker died", "raised ValueError", ...).
 
-User functions run on daemon worker threads. Python cannot kill a thread, so a hung
-call is abandoned: its worker is replaced, and being a daemon it never blocks process
-exit. Trusted built-ins (pure, bounded: ``register_reward(..., trusted=True)``) run
-inline, which saves the thread hop.
+Trusted built-ins (pure and bounded: ``register_reward(..., trusted=True)``) run inline,
+which saves the process hop. Everything else runs in a persistent pool of worker
+processes (``process_pool.py``), which can kill a call that hangs even while holding the
+GIL. A batched reward (``fn.hybridrl_batched``) is called once per batch, the timeout
+applying to that whole call; if it fails, every sample of the batch fails.
 """
 
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Mapping, Sequence
 
-_POLL_S = 0.02
+from hybridrl.rewards.outcome import Outcome, call_batch, call_one, failed
+from hybridrl.rewards.process_pool import Lost, ProcessPool
+from hybridrl.rewards.registry import RewardFn, is_batched, is_trusted, reward_label
+from hybridrl.rewards.spec import build_reward
+from hybridrl.rewards.worker import dumps_for_worker
 
 
 @dataclass
 class RewardBatch:
-    scores: list[float]
-    failures: Counter = field(default_factory=Counter)
+    scores: list[float]  # [B], failure_reward where a sample failed
+    failures: Counter = field(default_factory=Counter)  # reason -> samples
     seconds: float = 0.0
+    # extra metrics a reward reported (components of a combined reward, dict fields): per
+    # sample [B], NaN where that sample failed or did not report the key
+    extras: dict[str, list[float]] = field(default_factory=dict)
 
-
-class _Worker(threading.Thread):
-    """Daemon thread running jobs ``(i, fn, args)`` and recording start times and results."""
-
-    def __init__(self, jobs: queue.Queue, started: dict, results: dict):
-        super().__init__(daemon=True, name="hybridrl-reward")
-        self.jobs, self.started, self.results = jobs, started, results
-        self.abandoned = False
-
-    def run(self) -> None:
-        while not self.abandoned:
-            try:
-                i, call = self.jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            self.started[i] = time.monotonic()
-            self.results[i] = call()
+    def extra_means(self) -> dict[str, float]:
+        """Mean of each extra over the samples that reported it (NaNs skipped)."""
+        means = {}
+        for key, values in self.extras.items():
+            reported = [v for v in values if not math.isnan(v)]
+            if reported:
+                means[key] = math.fsum(reported) / len(reported)
+        return means
 
 
 class RewardRunner:
-    def __init__(self, fn: Callable[[str, Any, str], float], *, timeout_s: float = 10.0,
-                 workers: int = 4, failure_reward: float = 0.0):
-        self.fn = fn
-        self.timeout_s = timeout_s
-        self.workers = workers
-        self.failure_reward = failure_reward
-        self.total_failures: Counter = Counter()
+    """Runs ``fn`` over batches: ``fn`` is a reward callable, or a spec that
+    :func:`build_reward` understands (``"gsm8k"``, ``"path/to/file.py:fn"``,
+    ``"module:fn"``, or a list of ``{name, weight, ...}``). Call ``close()`` when done."""
 
-    def _call(self, response: str, answer: Any, prompt: str) -> tuple[float | None, str | None]:
-        try:
-            value = self.fn(response, answer, prompt)
-        except Exception as e:  # noqa: BLE001 - any user error costs only this sample
-            return None, f"raised {type(e).__name__}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None, "non-numeric or non-finite result"
-        return float(value), None
+    def __init__(self, fn: RewardFn | str | Sequence[Mapping[str, Any]], *, timeout_s: float = 10.0,
+                 workers: int = 4, failure_reward: float = 0.0):
+        if not (_is_finite(timeout_s) and timeout_s > 0):  # NaN would switch the timeout off
+            raise ValueError(f"reward.timeout_s={timeout_s!r}: must be a finite number of seconds > 0")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"reward.workers={workers!r}: must be an integer >= 1")
+        if not _is_finite(failure_reward):
+            raise ValueError(f"reward.failure_reward={failure_reward!r}: must be a finite number")
+        self.fn = build_reward(fn)
+        self.timeout_s = float(timeout_s)
+        self.workers = workers
+        self.failure_reward = float(failure_reward)
+        self.total_failures: Counter = Counter()
+        self._pool: ProcessPool | None = None
+        if is_trusted(self.fn):
+            warmup = getattr(self.fn, "hybridrl_warmup", None)
+            if warmup is not None:
+                warmup()
+        else:
+            self._pool = ProcessPool(_payload(self.fn), workers=workers)
 
     def score(self, responses: list[str], answers: list[Any], prompts: list[str]) -> RewardBatch:
+        """Scores ``[B]`` for ``B`` (response, answer, prompt) triples."""
+        if not len(responses) == len(answers) == len(prompts):
+            raise ValueError(f"RewardRunner.score: {len(responses)} responses, {len(answers)} answers and "
+                             f"{len(prompts)} prompts; pass one of each per sample")
         t0 = time.perf_counter()
-        if getattr(self.fn, "hybridrl_trusted", False):
-            outcomes = [self._call(r, a, p) for r, a, p in zip(responses, answers, prompts)]
-        else:
-            outcomes = self._run_threaded(list(zip(responses, answers, prompts)))
-        batch = RewardBatch(scores=[])
-        for value, why in outcomes:
-            if why is not None:
-                batch.failures[why] += 1
-                value = self.failure_reward
-            batch.scores.append(value)
-        self.total_failures.update(batch.failures)
+        outcomes = self._outcomes(list(responses), list(answers), list(prompts)) if responses else []
+        batch = self._collect(outcomes)
         batch.seconds = time.perf_counter() - t0
         return batch
 
-    def _run_threaded(self, items: list[tuple[str, Any, str]]) -> list[tuple[float | None, str | None]]:
-        jobs: queue.Queue = queue.Queue()
-        started: dict[int, float] = {}
-        results: dict[int, tuple] = {}
-        for i, (r, a, p) in enumerate(items):
-            jobs.put((i, lambda r=r, a=a, p=p: self._call(r, a, p)))
-        workers = [_Worker(jobs, started, results) for _ in range(min(self.workers, len(items)) or 1)]
-        for w in workers:
-            w.start()
-        timed_out: set[int] = set()
-        while len(results) + len(timed_out) < len(items):
-            time.sleep(_POLL_S)
-            now = time.monotonic()
-            for i, t in list(started.items()):
-                if i not in results and i not in timed_out and now - t > self.timeout_s:
-                    timed_out.add(i)
-                    # that worker is stuck in call i: let it go and add a fresh one
-                    w = _Worker(jobs, started, results)
-                    w.start()
-                    workers.append(w)
-        for w in workers:
-            w.abandoned = True  # idle workers exit; a stuck one dies with the process
-        return [(None, "timeout") if i in timed_out else results[i] for i in range(len(items))]
+    def _outcomes(self, responses: list[str], answers: list, prompts: list[str]) -> list[Outcome]:
+        batched = is_batched(self.fn)
+        if self._pool is None:
+            if batched:
+                return call_batch(self.fn, responses, answers, prompts)
+            return [call_one(self.fn, r, a, p) for r, a, p in zip(responses, answers, prompts)]
+        if batched:
+            (result,) = self._pool.map(call_batch, [(responses, answers, prompts)], self.timeout_s)
+            return [failed(result.reason)] * len(responses) if isinstance(result, Lost) else result
+        results = self._pool.map(call_one, list(zip(responses, answers, prompts)), self.timeout_s)
+        return [failed(r.reason) if isinstance(r, Lost) else r for r in results]
+
+    def _collect(self, outcomes: list[Outcome]) -> RewardBatch:
+        batch = RewardBatch(scores=[])
+        for i, outcome in enumerate(outcomes):
+            if outcome.failure is not None:
+                batch.failures[outcome.failure] += 1
+                batch.scores.append(self.failure_reward)
+                continue
+            batch.scores.append(outcome.score)
+            for key, value in (outcome.extras or {}).items():
+                batch.extras.setdefault(key, [math.nan] * len(outcomes))[i] = value
+        self.total_failures.update(batch.failures)
+        return batch
 
     def close(self) -> None:
-        """Nothing to release: workers are per batch and daemonic (kept for API symmetry)."""
+        """Stop the worker processes (idempotent; also done at exit and on garbage collection)."""
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_finite(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _payload(fn: RewardFn) -> bytes:
+    try:
+        return dumps_for_worker(fn)
+    except Exception as e:  # noqa: BLE001 - PicklingError, or AttributeError for local objects
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"reward {reward_label(fn)!r} cannot be sent to a worker process ({type(e).__name__}: "
+                         f"{why}); define it at module level in an importable file and pass "
+                         f"'path/to/file.py:fn' or 'module:fn'") from None

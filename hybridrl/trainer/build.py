@@ -48,7 +48,7 @@ class Run:
 
 
 def build_run(cfg: Config, console: Console | None = None) -> Run:
-    from hybridrl.rewards import RewardRunner, get_reward_fn
+    from hybridrl.rewards import RewardRunner
     from hybridrl.rollout import RolloutEngine, SamplingParams
     from hybridrl.trainer.actor import Actor
     from hybridrl.trainer.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
@@ -64,7 +64,8 @@ def build_run(cfg: Config, console: Console | None = None) -> Run:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     dtype = DTYPES[m.dtype]
-    runner = RewardRunner(get_reward_fn(cfg.reward.function), timeout_s=cfg.reward.timeout_s)
+    rw = cfg.reward
+    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward)
     if m.path:
         model, tokenizer = load_pretrained(m.path, dtype)
     else:

@@ -123,6 +123,7 @@ class RLStep:
         rb = self.scorer.score(ro.response_token_ids, [self.train_set.answers[i] for i in rows],
                                [self.train_set.prompt_texts[i] for i in rows])
         sb.failures = sum(rb.failures.values())
+        sb.extras = rb.extra_means()  # reward-reported fields (combined components, dict extras)
         sb.raw_scores = torch.tensor(rb.scores, dtype=torch.float32, device=ro.input_ids.device)
         sb.scores = sb.raw_scores
         if d.overlong_buffer_len > 0:

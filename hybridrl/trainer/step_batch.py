@@ -56,6 +56,7 @@ def merge(a: StepBatch, b: StepBatch, *, pad_id: int) -> StepBatch:
         setattr(ro, name, getattr(ro, name).to(ra.input_ids.device))
     sb = StepBatch.from_rollouts(a.batch_idx + b.batch_idx, a.index + [i + len(a.batch_idx) for i in b.index], ro)
     sb.failures = a.failures + b.failures
+    sb.extras = a.extras  # batch means of the first round (the refill rounds' are not re-weighted)
     sb.raw_scores = torch.cat([a.raw_scores, b.raw_scores])
     sb.scores = torch.cat([a.scores, b.scores])
     return sb

@@ -38,3 +38,25 @@ def test_local_checkpoint_and_jsonl(tmp_path):
     assert "60 prompts loaded" in summary and "1 unparseable" in summary and "1 no 'prompt' column" in summary
     assert [r["step"] for r in result.history if "reward/mean" in r] == [1, 2]
     assert (result.run_dir / "checkpoint" / "config.json").is_file()
+
+
+def test_weighted_rewards_and_user_reward_extras_are_logged(tmp_path):
+    """reward.functions as a weighted list (a built-in + a user file run in worker processes
+    returning a dict): the step's reward is the weighted sum, each part is logged."""
+    user = tmp_path / "my_reward.py"
+    user.write_text("def digits(response, answer, prompt):\n"
+                    "    return {'score': float(response.strip().isdigit()), 'chars': float(len(response))}\n")
+    cfg = load_config(None, TINY_MODEL + [
+        "data.train_size=200", "data.eval_size=8", "trainer.sft_steps=20", "trainer.total_steps=2",
+        "trainer.eval_every=2", "logging.tensorboard=false", "logging.plot=false", "trainer.save_checkpoint=false",
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=rw",
+        f"reward.functions=[{{name: exact_match, weight: 1.0}}, {{name: '{user}:digits', weight: 0.1}}]",
+    ])
+    result = train(cfg)
+    steps = [r for r in result.history if "reward/mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        parts = {k for k in r if k.startswith("reward/") and k not in ("reward/mean", "reward/std", "reward/failures")}
+        assert len(parts) >= 2, parts  # one metric per weighted component
+        assert r["reward/failures"] == 0
+        assert 0.0 <= r["reward/mean"] <= 1.1 + 1e-6

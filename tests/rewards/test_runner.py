@@ -1,0 +1,182 @@
+"""RewardRunner: each reviewed failure of the thread-based runner, reproduced.
+
+Misbehaving rewards come from misbehaving_rewards.py by path, the way a user's
+``reward.functions: path/to/file.py:fn`` reaches the worker processes. Time limits in
+asserts are generous bounds on "did not wait for the hung call", never speed checks."""
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridrl.rewards import RewardRunner, get_reward_fn
+
+HERE = Path(__file__).resolve().parent
+BAD = f"{HERE / 'misbehaving_rewards.py'}:by_response"
+TYPED = f"{HERE / 'misbehaving_rewards.py'}:typed"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = RewardRunner(BAD, timeout_s=1.0, workers=2)
+    yield r
+    r.close()
+
+
+def test_failures_cost_only_their_sample(runner):
+    responses = ["1", "raise", "hang", "2", "regex", "exit", "sys.exit", "3"]
+    answers = ["1", "1", "1", "2", "1", "1", "1", "x"]
+    t0 = time.monotonic()
+    batch = runner.score(responses, answers, [""] * 8)
+    assert time.monotonic() - t0 < 20  # the hung calls were killed at ~1 s, not awaited
+    assert batch.scores == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert batch.failures == {"raised RuntimeError": 1, "timeout": 2, "worker died": 1, "raised SystemExit": 1}
+    assert runner.score(["5", "6"], ["5", "1"], ["", ""]).scores == [1.0, 0.0]  # still usable
+
+
+def test_gil_holding_reward_is_killed_at_its_timeout(runner):
+    # a thread could never stop this match: it holds the GIL inside re for hours
+    t0 = time.monotonic()
+    batch = runner.score(["regex", "ok"], ["1", "ok"], ["", ""])
+    assert time.monotonic() - t0 < 20
+    assert batch.scores == [0.0, 1.0] and batch.failures == {"timeout": 1}
+
+
+def test_dying_worker_costs_its_sample_and_is_replaced(runner):
+    pids = set(runner._pool.pids())
+    batch = runner.score(["a", "exit", "b", "segfault", "c"], ["a", "x", "b", "x", "c"], [""] * 5)
+    assert batch.scores == [1.0, 0.0, 1.0, 0.0, 1.0] and batch.failures == {"worker died": 2}
+    assert len(runner._pool.pids()) == 2 and set(runner._pool.pids()) != pids
+
+
+def test_sys_exit_is_an_ordinary_failure_not_a_timeout():
+    # the thread runner lost the result and waited out the full timeout for each call
+    with RewardRunner(BAD, timeout_s=120.0, workers=2) as r:
+        t0 = time.monotonic()
+        batch = r.score(["sys.exit"] * 4 + ["ok"], ["x"] * 4 + ["ok"], [""] * 5)
+        assert time.monotonic() - t0 < 20
+    assert batch.scores == [0.0] * 4 + [1.0] and batch.failures == {"raised SystemExit": 4}
+
+
+def test_timed_out_call_while_another_still_runs(tmp_path):
+    # The thread runner crashed with KeyError when a timed-out call finished while another
+    # was still running. Call 0 would take 3 s (its timeout is 2 s); call 1 takes 1.4 s on
+    # the other worker; call 2 starts after it and returns 0.2 s after call 0 finished
+    # (thread runner: at ~3 s) or its worker died (here: killed at ~2 s), in time either way.
+    calls = [f"slow-then-flag {tmp_path} 3.0", "sleep 1.4", f"await {tmp_path}"]
+    with RewardRunner(BAD, timeout_s=2.0, workers=2) as r:
+        batch = r.score(calls, ["x"] * 3, [""] * 3)
+    assert batch.scores == [0.0, 1.0, 1.0] and batch.failures == {"timeout": 1}
+    assert not (tmp_path / "finished").exists()  # killed, not left running in the background
+
+
+def test_return_types_are_numbers():
+    # bool, numpy scalars and 0-d arrays used to score 0 for every sample
+    with RewardRunner(TYPED, workers=1) as r:
+        ok = ["bool", "false", "np.float32", "np.int64", "np.bool_", "ndarray0d"]
+        assert r.score(ok, [None] * 6, [""] * 6).scores == [1.0, 0.0, 0.5, 2.0, 1.0, 0.25]
+        bad = ["ndarray1d", "str", "none", "nan", "inf", "complex"]
+        batch = r.score(bad, [None] * 6, [""] * 6)
+    assert batch.scores == [0.0] * 6 and batch.failures == {"non-numeric or non-finite result": 6}
+
+
+def test_zero_dim_tensor_from_a_worker():
+    with RewardRunner(f"{HERE / 'misbehaving_rewards.py'}:tensor_score", workers=1, timeout_s=60) as r:
+        assert r.score(["a", "b"], [None] * 2, [""] * 2).scores == [0.75, 0.75]
+
+
+def test_dict_results_become_extras():
+    with RewardRunner(TYPED, workers=1) as r:
+        batch = r.score(["dict", "str", "dict", "dict-no-score", "dict-bad-extra"], [None] * 5, [""] * 5)
+    assert batch.scores == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert batch.extras["length"][0] == 3.0 and batch.extras["length"][2] == 3.0
+    assert all(math.isnan(v) for i, v in enumerate(batch.extras["length"]) if i not in (0, 2))
+    assert batch.extra_means() == {"length": 3.0, "ok": 1.0}
+    assert batch.failures == {"non-numeric or non-finite result": 1, "dict result without a 'score' key": 1,
+                              "non-numeric or non-finite extra 'note'": 1}
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), 0, -1.0, "10", True])
+def test_timeout_must_be_finite_and_positive(timeout_s):
+    with pytest.raises(ValueError, match=r"timeout_s=.*must be a finite number of seconds > 0") as e:
+        RewardRunner("exact_match", timeout_s=timeout_s)
+    assert "\n" not in str(e.value)
+
+
+def test_failure_reward_and_totals():
+    with RewardRunner(BAD, timeout_s=5.0, workers=1, failure_reward=-1.0) as r:
+        assert r.score(["raise", "a"], ["a", "a"], ["", ""]).scores == [-1.0, 1.0]
+        r.score(["raise"], ["a"], [""])
+        assert r.total_failures == {"raised RuntimeError": 2}
+
+
+def test_batched_reward_is_called_once_per_batch():
+    spec = f"{HERE / 'misbehaving_rewards.py'}:batched_length"
+    with RewardRunner(spec, workers=1) as r:
+        assert r.score(["a", "bbb", ""], [None] * 3, [""] * 3).scores == [1.0, 3.0, 0.0]
+
+
+def test_batched_failures_cost_the_batch_counted_per_sample():
+    spec = f"{HERE / 'misbehaving_rewards.py'}:batched_by_first"
+    with RewardRunner(spec, timeout_s=1.0, workers=1) as r:
+        ok = r.score(["a", "b", "c"], ["a", "x", "c"], [""] * 3)
+        assert ok.scores == [1.0, 0.0, 1.0] and ok.failures == {"mismatch": 1}
+        assert r.score(["raise", "a"], ["a", "a"], ["", ""]).failures == {"raised ValueError": 2}
+        assert r.score(["short", "a", "b"], ["a"] * 3, [""] * 3).failures == {
+            "batched reward returned 1 results for 3 samples": 3}
+        t0 = time.monotonic()
+        hung = r.score(["hang", "a", "b"], ["a"] * 3, [""] * 3)
+        assert time.monotonic() - t0 < 20
+        assert hung.scores == [0.0] * 3 and hung.failures == {"timeout": 3}
+        assert r.score(["a"], ["a"], [""]).scores == [1.0]  # a fresh worker took over
+
+
+def test_trusted_builtin_runs_inline_with_identical_scores():
+    runner = RewardRunner("exact_match", timeout_s=10.0)
+    assert runner._pool is None  # no process hop for the default reward
+    responses, answers = ["82", " 82 ", "8", "", "x"], ["82", 82, "82", None, "x"]
+    em = get_reward_fn("exact_match")
+    assert runner.score(responses, answers, [""] * 5).scores == [em(r, a, "") for r, a in zip(responses, answers)]
+    assert runner.score(responses, answers, [""] * 5).scores == [1.0, 1.0, 0.0, 0.0, 1.0]
+    runner.close()
+
+
+def test_function_objects_travel_by_reference_or_spec():
+    fn = get_reward_fn(BAD)  # loaded from a file: the worker loads it again by its spec
+    with RewardRunner(fn, workers=1) as r:
+        assert r.score(["a", "raise"], ["a", "a"], ["", ""]).scores == [1.0, 0.0]
+    with RewardRunner(_module_level_reward, workers=1) as r:  # importable: pickled by reference
+        assert r.score(["abc"], [None], [""]).scores == [3.0]
+
+
+def _module_level_reward(response, answer, prompt):
+    return float(len(response))
+
+
+def test_lambdas_are_refused_with_a_hint():
+    with pytest.raises(ValueError, match=r"cannot be sent to a worker process .*path/to/file.py:fn") as e:
+        RewardRunner(lambda r, a, p: 1.0)
+    assert "\n" not in str(e.value)
+
+
+def test_worker_that_cannot_load_the_reward_fails_at_construction(tmp_path):
+    f = tmp_path / "needs_cwd.py"
+    f.write_text("import os\nif os.environ.get('HYBRIDRL_TEST_IN_PARENT') != '1':\n"
+                 "    raise ImportError('only importable in the parent')\n"
+                 "def score(response, answer, prompt):\n    return 1.0\n")
+    import os
+
+    os.environ["HYBRIDRL_TEST_IN_PARENT"] = "1"
+    try:
+        fn = get_reward_fn(f"{f}:score")
+    finally:
+        del os.environ["HYBRIDRL_TEST_IN_PARENT"]
+    with pytest.raises(RuntimeError, match="could not load the reward: ImportError: only importable in the parent"):
+        RewardRunner(fn, workers=2)
+
+
+def test_score_checks_lengths():
+    with pytest.raises(ValueError, match="2 responses, 1 answers and 2 prompts"):
+        RewardRunner("exact_match").score(["a", "b"], ["a"], ["", ""])
+    assert RewardRunner("exact_match").score([], [], []).scores == []
