@@ -11,8 +11,18 @@ def _train(args: argparse.Namespace) -> int:
     from hybridrl.config_io import load_config
     from hybridrl.trainer.loop import train
 
+    from hybridrl.trainer.checkpoint import CheckpointWriteError
+    from hybridrl.trainer.interrupt import TrainingInterrupted
+
     cfg = load_config(args.config, args.overrides)
-    train(cfg)
+    try:
+        train(cfg)
+    except TrainingInterrupted as e:
+        print(f"hybridrl: {e}", file=sys.stderr)
+        return e.exit_code
+    except CheckpointWriteError as e:
+        print(f"hybridrl: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

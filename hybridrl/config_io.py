@@ -92,7 +92,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{key}={value!r}: expected a string")
+        hint = " (YAML reads unquoted on/off/yes/no as booleans: quote the word)" if isinstance(value, bool) else ""
+        raise ConfigError(f"{key}={value!r}: expected a string{hint}")
     return value
 
 
@@ -180,6 +181,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         *groups, name = key.split(".")
         value = yaml.safe_load(raw) if raw != "" else ""
+        if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+            value = raw.strip()  # YAML 1.1 reads on/off/yes/no as booleans; keep the word (resume=off)
         node = tree
         for g in groups:
             node = node.setdefault(g, {})

@@ -147,7 +147,11 @@ class TrainerConfig:
     output_dir: str = _f("runs", "parent of the run directory")
     run_name: str = _f("default", "run directory name under output_dir")
     save_checkpoint: bool = _f(True, "write an HF-format checkpoint at the end")
-    save_every: int = _f(0, "also checkpoint every k RL steps (0 = only at the end)")
+    save_every: int = _f(100, "also checkpoint every k RL steps, bounding lost work (0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints kept in run_dir/checkpoints (older ones are pruned)")
+    resume: str = _f("auto", "auto: continue the run in run_dir from its latest checkpoint (a new run when the "
+                             "directory is new) | off: refuse an existing run directory | PATH: a checkpoint dir")
+    max_nonfinite_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss/gradient")
     refit_bucket_mb: int = _f(64, "refit bucket size (MiB)")
     refit_verify: bool = _f(False, "check engine addresses and checksums after every refit")
 
@@ -163,6 +167,14 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= 0")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
+        check_number(self.keep_last, "trainer.keep_last", low=1)
+        check_number(self.max_nonfinite_steps, "trainer.max_nonfinite_steps", low=1)
+        name = self.run_name
+        if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("~"):
+            raise ConfigError(f"trainer.run_name={name!r}: must be a plain directory name inside "
+                              "trainer.output_dir (no '/', '..' or absolute paths)")
+        if not self.resume:
+            raise ConfigError("trainer.resume='': use auto, off, or a checkpoint directory")
 
 
 @dataclass(kw_only=True)

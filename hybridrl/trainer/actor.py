@@ -60,6 +60,14 @@ class Actor:
     def _micro(self, lengths: torch.Tensor) -> list[list[int]]:
         return make_microbatches(lengths.tolist(), self.max_tokens)
 
+    def state_dict(self) -> dict:
+        """Optimizer and LR-schedule state (the weights are saved in HF format)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
     @torch.no_grad()
     def compute_log_prob(self, input_ids, attention_mask, response_mask, *, with_entropy: bool = False):
         """Log-probs ``[B, L]`` float32 (and entropy) of the current weights, no grad."""
@@ -145,8 +153,10 @@ class Actor:
             for k, v in metrics.items():
                 acc[k] = acc.get(k, 0.0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        if math.isfinite(float(grad_norm)):
+        finite = math.isfinite(float(grad_norm))
+        if finite:  # a non-finite loss or gradient skips the optimizer step (counted by the loop)
             self.optimizer.step()
+        acc["actor/nonfinite_skipped"] = 0.0 if finite else 1.0
         self.scheduler.step()
         acc["actor/grad_norm"] = float(grad_norm)
         acc["actor/padding_fraction"] = padding_fraction(lengths.tolist(), micros)

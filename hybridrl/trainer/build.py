@@ -6,9 +6,7 @@ Each component receives its own config object (``algo.policy_loss``, ``algo.kl``
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,6 +18,7 @@ from hybridrl.config import Config
 from hybridrl.trainer.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
+from hybridrl.trainer.run_dir import RunDir, open_run_dir
 
 Console = Callable[[str], None]
 
@@ -30,6 +29,7 @@ class Run:
 
     cfg: Config
     run_dir: Path
+    directory: RunDir  # the lock and where the run resumes from
     tokenizer: PreTrainedTokenizerBase
     step: RLStep
     eval_set: PromptSet
@@ -48,24 +48,22 @@ class Run:
 
 
 def build_run(cfg: Config, console: Console | None = None) -> Run:
+    """Data, model, reward, run directory (locked), then the components (``_build``)."""
     from hybridrl.rewards import RewardRunner
-    from hybridrl.rollout import RolloutEngine, SamplingParams
-    from hybridrl.trainer.actor import Actor
     from hybridrl.trainer.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
-    from hybridrl.trainer.rollout_worker import RolloutWorker
-    from hybridrl.trainer.scoring import RewardScorer
 
     if console is None:
         from tqdm.auto import tqdm
 
         console = tqdm.write  # prints above an active progress bar instead of through it
     t, m, a, r = cfg.trainer, cfg.model, cfg.algo, cfg.rollout
+    if t.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.device={t.device}: this torch build sees no CUDA device "
+                         f"(torch {torch.__version__}); use trainer.device=cpu or install a CUDA build of torch")
     if t.threads > 0:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     dtype = DTYPES[m.dtype]
-    rw = cfg.reward
-    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward)
     if m.path:
         model, tokenizer = load_pretrained(m.path, dtype)
     else:
@@ -83,7 +81,30 @@ def build_run(cfg: Config, console: Console | None = None) -> Run:
     if len(train_set) < t.prompts_per_step:
         raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(train_set)} usable "
                          "training prompts; lower trainer.prompts_per_step or add data")
-    run_dir = _fresh_run_dir(Path(t.output_dir) / t.run_name)
+    rw = cfg.reward
+    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward)
+    try:
+        directory = open_run_dir(t.output_dir, t.run_name, t.resume)
+    except BaseException:
+        runner.close()
+        raise
+    try:
+        return _build(cfg, console, directory, model, tokenizer, runner, train_set, eval_set, sft, dtype)
+    except BaseException:
+        directory.close()
+        runner.close()
+        raise
+
+
+def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, runner, train_set: PromptSet,
+           eval_set: PromptSet, sft, dtype: torch.dtype) -> Run:
+    from hybridrl.rollout import RolloutEngine, SamplingParams
+    from hybridrl.trainer.actor import Actor
+    from hybridrl.trainer.rollout_worker import RolloutWorker
+    from hybridrl.trainer.scoring import RewardScorer
+    from hybridrl.trainer.train_state import checkpoint_step
+
+    t, a, r = cfg.trainer, cfg.algo, cfg.rollout
     max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
     engine = RolloutEngine(model.config, max_batch_size=min(t.prompts_per_step * r.n, 256),
                            max_seq_len=max_prompt + r.max_tokens, dtype=dtype, device=t.device,
@@ -103,8 +124,10 @@ def build_run(cfg: Config, console: Console | None = None) -> Run:
                        mini_batch_size=t.mini_batch_size, epochs=t.ppo_epochs, max_response_tokens=r.max_tokens)
     step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
                   train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator)
-    return Run(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, step=step, eval_set=eval_set, sft_pairs=sft,
-               log=MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard), console=console)
+    resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
+    log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after)
+    return Run(cfg=cfg, run_dir=directory.path, directory=directory, tokenizer=tokenizer, step=step,
+               eval_set=eval_set, sft_pairs=sft, log=log, console=console)
 
 
 def _critic(cfg: Config, hf_config, dtype: torch.dtype):
@@ -115,16 +138,6 @@ def _critic(cfg: Config, hf_config, dtype: torch.dtype):
     model = ValueModel.from_config(hf_config, dtype=dtype, seed=t.seed).to(t.device)
     return Critic(model, optim=cfg.optim, value=cfg.algo.value, loss_agg_mode=cfg.algo.loss_agg_mode,
                   loss_scale_factor=float(cfg.rollout.max_tokens), max_tokens_per_microbatch=t.max_tokens_per_microbatch)
-
-
-def _fresh_run_dir(run_dir: Path) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # a reused run name starts clean: old metrics and event files would mix into the new curves
-    for stale in ("metrics.jsonl", "curves.png"):
-        if (run_dir / stale).exists():
-            os.remove(run_dir / stale)
-    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
-    return run_dir
 
 
 def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tuple]:

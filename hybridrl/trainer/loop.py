@@ -4,6 +4,7 @@ and checkpoints. The order *inside* a step is :class:`~hybridrl.trainer.rl_step.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import torch
 from hybridrl.config import Config
 from hybridrl.config_io import config_to_yaml
 from hybridrl.trainer.build import Run, build_run
+from hybridrl.trainer.interrupt import InterruptFlag, TrainingInterrupted
 from hybridrl.trainer.metrics_log import plot_curves
 from hybridrl.trainer.progress import progress_bar
 from hybridrl.trainer.reference import Reference
@@ -61,64 +63,122 @@ def warm_start(run: Run, cfg: Config) -> None:
 
 
 def train(cfg: Config) -> TrainResult:
-    """Run the whole job described by ``cfg``; returns accuracies and the run directory."""
+    """Run the whole job described by ``cfg``; returns accuracies and the run directory.
+
+    With ``trainer.resume=auto`` an interrupted run continues from its latest checkpoint
+    and ends bit-identical to an uninterrupted one (CPU, float32, one thread)."""
     t_start = time.perf_counter()
     run = build_run(cfg)
+    try:
+        return _train(run, cfg, t_start)
+    finally:
+        run.log.close()
+        run.step.scorer.close()
+        run.directory.close()
+
+
+def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
+    from hybridrl.trainer.train_state import LoopState, read_training_state
+
     run_dir = run.run_dir
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     run.console(f"run dir: {run_dir}  |  model: {run.describe_model()}  |  "
                 f"train prompts: {len(run.step.train_set)}, eval prompts: {len(run.eval_set)}")
-    warm_start(run, cfg)
+    rng = random.Random(cfg.trainer.seed + 1)
+    if run.directory.resume_from is None:
+        warm_start(run, cfg)
+        _attach_reference(run, cfg)
+        warm_acc = evaluate(run)
+        run.console(f"eval after warm start: accuracy {warm_acc:.3f}")
+        run.log.log(0, {"eval/accuracy": warm_acc})
+        loop = LoopState(step=0, warm_start_accuracy=warm_acc, last_accuracy=warm_acc)
+    else:
+        _attach_reference(run, cfg)  # a placeholder copy; its weights come from the checkpoint
+        loop = read_training_state(run.directory.resume_from, run, rng)
+        if loop.step >= cfg.trainer.total_steps:
+            raise ValueError(f"run {run_dir} is already complete at step {loop.step} (trainer.total_steps="
+                             f"{cfg.trainer.total_steps}); raise trainer.total_steps to continue it, or choose "
+                             "another trainer.run_name")
+        run.console(f"resumed from {run.directory.resume_from} at step {loop.step}")
+    estimator = cfg.algo.advantage.estimator
+    bar = progress_bar(range(loop.step + 1, cfg.trainer.total_steps + 1), initial=loop.step,
+                       total=cfg.trainer.total_steps, desc="GRPO" if estimator == "grpo" else estimator,
+                       enabled=cfg.logging.progress)
+    with InterruptFlag() as interrupt:
+        _rl_phase(run, cfg, bar, rng, loop, interrupt)
+    if cfg.logging.plot:
+        plot_curves(run.log.rows, run_dir / "curves.png", warm_start_accuracy=loop.warm_start_accuracy)
+    if cfg.trainer.save_checkpoint:
+        _save_final(run, cfg, loop, rng)
+    seconds = time.perf_counter() - t_start
+    run.console(f"done in {seconds:.0f}s: accuracy {loop.warm_start_accuracy:.3f} (warm start) -> "
+                f"{loop.last_accuracy:.3f} (final); outputs in {run_dir}")
+    return TrainResult(run_dir=run_dir, warm_start_accuracy=loop.warm_start_accuracy,
+                       final_accuracy=loop.last_accuracy, history=run.log.rows, seconds=seconds)
+
+
+def _attach_reference(run: Run, cfg: Config) -> None:
     if cfg.algo.kl.coef > 0:
         run.step.attach_reference(Reference.frozen_copy_of(
             run.policy, temperature=cfg.rollout.temperature,
             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch))
-    warm_acc = evaluate(run)
-    run.console(f"eval after warm start: accuracy {warm_acc:.3f}")
-    run.log.log(0, {"eval/accuracy": warm_acc})
-    rng = random.Random(cfg.trainer.seed + 1)
-    acc = warm_acc
-    estimator = cfg.algo.advantage.estimator
-    bar = progress_bar(range(1, cfg.trainer.total_steps + 1), desc="GRPO" if estimator == "grpo" else estimator,
-                       enabled=cfg.logging.progress)
+
+
+def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path:
+    """A full training checkpoint (HF policy + everything a resume needs), atomically."""
+    from hybridrl.trainer.checkpoint import save_step_dir, write_hf
+    from hybridrl.trainer.train_state import write_training_state
+
+    def write(directory: Path) -> None:
+        write_hf(directory, run.policy, run.tokenizer, {"hybridrl_config.yaml": config_to_yaml(cfg)})
+        write_training_state(directory, run, loop, rng)
+
+    return save_step_dir(run.run_dir / "checkpoint", loop.step, write, keep_last=cfg.trainer.keep_last)
+
+
+def _save_final(run: Run, cfg: Config, loop, rng: random.Random) -> Path:
+    """The end-of-run checkpoint; if it cannot be written where asked, the weights go to a
+    rescue directory under the system temp dir, named in the error."""
+    from hybridrl.trainer.checkpoint import CheckpointWriteError
+
     try:
-        acc = _rl_phase(run, cfg, bar, rng, acc)
-    finally:
-        run.log.close()
-        run.step.scorer.close()
-    if cfg.logging.plot:
-        plot_curves(run.log.rows, run_dir / "curves.png", warm_start_accuracy=warm_acc)
-    if cfg.trainer.save_checkpoint:
-        _save(run, cfg, cfg.trainer.total_steps)
-    seconds = time.perf_counter() - t_start
-    run.console(f"done in {seconds:.0f}s: accuracy {warm_acc:.3f} (warm start) -> {acc:.3f} (final); "
-                f"outputs in {run_dir}")
-    return TrainResult(run_dir=run_dir, warm_start_accuracy=warm_acc, final_accuracy=acc,
-                       history=run.log.rows, seconds=seconds)
+        return save(run, cfg, loop, rng)
+    except CheckpointWriteError as e:
+        import tempfile
+
+        rescue = Path(tempfile.mkdtemp(prefix=f"hybridrl-rescue-{run.run_dir.name}-"))
+        try:
+            run.policy.save_pretrained(rescue, safe_serialization=True)
+            run.tokenizer.save_pretrained(rescue)
+            where = f"final weights saved to {rescue} instead"
+        except OSError:
+            where = "the final weights could not be saved anywhere"
+        raise CheckpointWriteError(f"{e}; {where}") from None
 
 
-def _save(run: Run, cfg: Config, step: int) -> Path:
-    from hybridrl.trainer.checkpoint import save_checkpoint_atomic
-
-    path = save_checkpoint_atomic(run.policy, run.tokenizer, run.run_dir / "checkpoint", step=step,
-                                  extra_files={"hybridrl_config.yaml": config_to_yaml(cfg)})
-    if run.step.critic is not None:
-        run.step.critic.model.save_pretrained(run.run_dir / "critic")
-    return path
-
-
-def _rl_phase(run: Run, cfg: Config, bar, rng: random.Random, acc: float) -> float:
-    """The RL steps with periodic eval and checkpoints; returns the last eval accuracy."""
+def _rl_phase(run: Run, cfg: Config, bar, rng: random.Random, loop, interrupt: InterruptFlag) -> None:
+    """The RL steps with periodic eval and checkpoints; updates ``loop`` as it goes."""
+    t = cfg.trainer
     for step in bar:
         metrics = run.step(rng)
-        if step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
-            acc = evaluate(run)
-            metrics["eval/accuracy"] = acc
-            run.console(f"step {step}: eval accuracy {acc:.3f}  reward {metrics['reward/mean']:.3f}  "
+        loop.step = step
+        loop.nonfinite_streak = loop.nonfinite_streak + 1 if metrics.get("actor/nonfinite_skipped") else 0
+        if step % t.eval_every == 0 or step == t.total_steps:
+            loop.last_accuracy = evaluate(run)
+            metrics["eval/accuracy"] = loop.last_accuracy
+            run.console(f"step {step}: eval accuracy {loop.last_accuracy:.3f}  reward {metrics['reward/mean']:.3f}  "
                         f"kl {metrics.get('actor/kl', 0.0):.4f}  {metrics['perf/tokens_per_s']:.0f} tok/s")
         run.log.log(step, metrics)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{acc:.2f}")
-        every = cfg.trainer.save_every
-        if every and step % every == 0 and step != cfg.trainer.total_steps:
-            _save(run, cfg, step)
-    return acc
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{loop.last_accuracy:.2f}")
+        if loop.nonfinite_streak >= t.max_nonfinite_steps:
+            last = run.run_dir / "checkpoint"
+            good = os.path.realpath(last) if last.is_symlink() else "none yet"
+            raise ValueError(f"{loop.nonfinite_streak} consecutive steps had a non-finite loss or gradient (last at "
+                             f"step {step}); stopping. Last good checkpoint: {good}; lower optim.lr or check the "
+                             "reward scale")
+        if interrupt.signum is not None:
+            path = save(run, cfg, loop, rng) if t.save_checkpoint else None
+            where = f"checkpoint {path}; continue with trainer.resume=auto" if path else "no checkpoint (saving off)"
+            raise TrainingInterrupted(f"interrupted at step {step}: {where}", interrupt.signum)
+        if t.save_every and step % t.save_every == 0 and step != t.total_steps and t.save_checkpoint:
+            save(run, cfg, loop, rng)

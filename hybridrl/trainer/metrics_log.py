@@ -9,10 +9,20 @@ from typing import Any
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+    """Appends to ``metrics.jsonl`` and TensorBoard. ``resume_after=N`` continues a run:
+    rows of steps after N (work lost with the interrupted run) are dropped from the file,
+    atomically, and TensorBoard purges its events after step N."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_after: int | None = None):
         self.run_dir = run_dir
-        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        path = run_dir / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
+        if resume_after is not None and path.exists():
+            self.rows = [r for r in _read_rows(path) if r.get("step", 0) <= resume_after]
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            tmp.replace(path)
+        self.jsonl = path.open("a")
         self.tb = None
         if tensorboard:
             try:
@@ -20,7 +30,8 @@ class MetricsLog:
             except ImportError as e:  # pragma: no cover - tensorboard is a base dependency
                 raise ImportError("TensorBoard logging needs `pip install tensorboard` "
                                   "(or set logging.tensorboard=false)") from e
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            purge = None if resume_after is None else resume_after + 1
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -36,6 +47,16 @@ class MetricsLog:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+    return rows
 
 
 def _plain(v: Any) -> Any:

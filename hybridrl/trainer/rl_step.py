@@ -98,9 +98,9 @@ class RLStep:
         with timer.phase("update"):
             metrics.update(self.update(sb))
         with timer.phase("refit"):
-            stats = self.rollout.refit(self.actor.model)
+            self.rollout.refit(self.actor.model)
         metrics.update(step_metrics(sb, timer))
-        metrics["refit/weight_version"] = stats.version
+        metrics["refit/weight_version"] = self.rollout.version
         return metrics
 
     # ---- phases -------------------------------------------------------------------------

@@ -32,17 +32,33 @@ class RolloutWorker:
         self.device = device
         self.bucket_bytes, self.verify_refit = bucket_bytes, verify_refit
         self.expected_version: int | None = None  # the version the last refit produced
+        # Versions are logical: engine version + offset. A resumed run continues the
+        # numbering of the run it resumes (a fresh engine starts at 0).
+        self.version_offset = 0
+
+    @property
+    def version(self) -> int:
+        """The weight version the engine holds now (logical)."""
+        return self.engine.weight_version + self.version_offset
 
     def refit(self, model: torch.nn.Module) -> RefitStats:
         """Write ``model``'s weights into the engine in place (the refit protocol)."""
         stats = refit_from_model(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit)
-        self.expected_version = stats.version
+        self.expected_version = self.version
         return stats
+
+    def restore(self, model: torch.nn.Module, *, version: int) -> None:
+        """After a resume: refit from the restored ``model`` and continue at ``version``."""
+        self.refit(model)
+        self.version_offset = version - self.engine.weight_version
+        self.expected_version = self.version
 
     def sample(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
         """``sampling.n`` responses per prompt, one seed per prompt (rows prompt-major)."""
         params = [dataclasses.replace(self.sampling, seed=s) for s in seeds]
-        return self._to_device(self.engine.generate(prompts, params))
+        ro = self._to_device(self.engine.generate(prompts, params))
+        ro.weight_version += self.version_offset
+        return ro
 
     def greedy(self, prompts: list[list[int]]) -> Rollouts:
         """One greedy response per prompt (eval, ReMax baselines)."""

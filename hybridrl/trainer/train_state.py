@@ -1,0 +1,140 @@
+"""Everything an exact resume needs, saved next to the HF-format policy in one atomic
+checkpoint directory, and restored into a freshly built run.
+
+A checkpoint directory holds:
+
+- the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it),
+- ``critic/`` (HF backbone + value head) when PPO with GAE is on,
+- ``reference.safetensors`` (the frozen KL reference) when KL is on,
+- ``trainer_state.pt``: step, optimizer and LR-schedule states, the step's python RNG
+  (prompt order and per-prompt sampling seeds), torch's global RNG (unseeded greedy
+  decoding) and the mini-batch shuffling generator, numpy's RNG, the KL controller,
+  the weight version, the last eval accuracies, the non-finite streak.
+
+Restoring loads the weights *into* the built components (the optimizers keep pointing
+at the same parameters), then the engine is refit from the restored policy before the
+first rollout. Loaded with ``weights_only=True``: only tensors and plain values.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE_FILE = "trainer_state.pt"
+REFERENCE_FILE = "reference.safetensors"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class LoopState:
+    """The loop's own counters (the components carry the rest)."""
+
+    step: int  # last completed RL step
+    warm_start_accuracy: float
+    last_accuracy: float
+    nonfinite_streak: int = 0
+
+
+def write_training_state(directory: Path, run, loop: LoopState, rng: random.Random) -> None:
+    """Write the non-HF part of a checkpoint of ``run`` (a ``build.Run``) into ``directory``."""
+    from safetensors.torch import save_model
+
+    step = run.step
+    if step.critic is not None:
+        step.critic.model.save_pretrained(directory / "critic")
+    if step.reference is not None:
+        save_model(step.reference.model, str(directory / REFERENCE_FILE))
+    np_state = np.random.get_state()
+    state = {
+        "format": FORMAT_VERSION,
+        "loop": vars(loop).copy(),
+        "actor": step.actor.state_dict(),
+        "critic_optimizer": step.critic.optimizer.state_dict() if step.critic is not None else None,
+        "kl_coef": float(step.kl_ctrl.value) if step.kl_ctrl is not None else None,
+        "weight_version": step.rollout.version,
+        "rng": {
+            "python_step": _python_state(rng.getstate()),
+            "python_global": _python_state(random.getstate()),
+            "torch": torch.get_rng_state(),
+            "shuffle": step.generator.get_state(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+        },
+    }
+    torch.save(state, directory / STATE_FILE)
+
+
+def read_training_state(directory: Path, run, rng: random.Random) -> LoopState:
+    """Restore ``directory`` into the freshly built ``run``; returns the loop counters."""
+    from safetensors.torch import load_model
+
+    from hybridrl.trainer.value_model import ValueModel
+
+    state = _load(directory)
+    step = run.step
+    load_policy_weights(run.policy, directory)
+    step.actor.load_state_dict(state["actor"])
+    if (step.critic is None) != (state["critic_optimizer"] is None):
+        raise ValueError(f"trainer.resume: {directory} was written with a different algo.advantage.estimator "
+                         "(critic present in one and not the other); resume with the run's own config")
+    if step.critic is not None:
+        saved = ValueModel.from_pretrained(directory / "critic")
+        step.critic.model.load_state_dict(saved.state_dict())
+        step.critic.optimizer.load_state_dict(state["critic_optimizer"])
+    if step.reference is not None:
+        load_model(step.reference.model, str(directory / REFERENCE_FILE))
+    if step.kl_ctrl is not None and state["kl_coef"] is not None:
+        step.kl_ctrl.value = state["kl_coef"]
+    r = state["rng"]
+    rng.setstate(_python_tuple(r["python_step"]))
+    random.setstate(_python_tuple(r["python_global"]))
+    torch.set_rng_state(r["torch"])
+    step.generator.set_state(r["shuffle"])
+    kind, keys, *rest = r["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), int(rest[0]), int(rest[1]), rest[2]))
+    step.rollout.restore(run.policy, version=state["weight_version"])
+    return LoopState(**state["loop"])
+
+
+def checkpoint_step(directory: Path) -> int:
+    """The RL step a training checkpoint was written after (validates the file)."""
+    return _load(directory)["loop"]["step"]
+
+
+def _load(directory: Path) -> dict:
+    path = directory / STATE_FILE
+    if not path.is_file():
+        raise ValueError(f"trainer.resume: {directory} has no {STATE_FILE}; it is not a hybridrl training "
+                         "checkpoint (an HF export can start a new run with model.path=...)")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a corrupt file is a user-facing one-liner
+        raise ValueError(f"trainer.resume: {path} is unreadable ({type(e).__name__}); resume from an "
+                         "earlier checkpoint in checkpoints/") from None
+
+
+def load_policy_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Copy the HF safetensors in ``directory`` into ``model`` in place (tied weights allowed)."""
+    from hybridrl.rollout.hf_checkpoint import iter_safetensors_dir
+
+    tensors = dict(iter_safetensors_dir(str(directory)))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"trainer.resume: the policy in {directory} does not match the configured model "
+                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}); "
+                         "resume with the run's own config")
+
+
+def _python_state(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _python_tuple(state: list) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
