@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks to run when a session has a GPU (device tool), in one short script:
 #   1. every test marked `cuda` (graph capture/replay == eager, replay after 3 refits for
-#      bf16 / fp8 / fp8_block engines, CUDA IPC refit transport, flash-attn varlen),
+#      bf16 / fp8 / fp8_block engines, graphs captured by a refit-only start with a verified
+#      FP8 refit of CUDA trainer tensors, CUDA IPC refit transport, flash-attn varlen),
 #   2. benchmarks/cuda_paths.py: graph replay vs eager decode-step time and refit GB/s vs
 #      copy_, for bf16 / fp8 / fp8_block engines (also checks replay == eager bitwise).
 # Usage on the device machine: bash scripts/gpu_check.sh   (writes into ${OUT:-gpu_out}/)

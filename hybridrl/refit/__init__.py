@@ -7,7 +7,7 @@
             s.load(bucket)                           # validated, then written in place
     # finish() on exit: inference layouts, then derived caches, then checks
 
-See ``session.py`` for the protocol, ``layout.py`` for name validation, ``bucket.py`` /
+See ``session.py`` for the protocol, ``names.py`` for name validation, ``bucket.py`` /
 ``shm.py`` for transports and ``verify.py`` for the checks.
 """
 from hybridrl.refit.bucket import BucketPacker, TensorMeta, group_by_bytes, unpack

@@ -1,42 +1,36 @@
 """The refit protocol: ``begin()`` → ``load(bucket)``* → ``finish()``, as a state machine.
 
-Why the order is enforced here and not documented in a comment: the real bugs were
-order bugs. A derived cache refreshed before the quantized weights were back in their
+Why the order is enforced and not documented in a comment: the real bugs were order
+bugs. A derived cache refreshed before the quantized weights were back in their
 inference layout was computed from staging data; a cache dropped and lazily rebuilt
-after refit moved to a new address under a captured CUDA graph. So:
+after refit moved to a new address under a captured CUDA graph. The engine owns the
+in-place part of that order (its weight-update bracket: loading layouts on begin;
+inference layouts, *then* derived caches on finish; the one ``weight_version`` increment).
+A ``Refit`` adds the protocol around it:
 
-- ``begin()``   puts every quantized linear back into its *loading* layout (in place);
-- ``load()``    validates a whole bucket, then writes it through the parameters' own
-                ``weight_loader``s (the first-load path, run again) — in place;
-- ``finish()``  (1) re-applies the *inference* layout to **every** linear, then
-                (2) refreshes **every** registered derived cache, in place; then checks
-                (``verify=True``) and advances ``engine.weight_version``.
+- ``begin(names)``  checks the announced name set against the engine's route table,
+                    snapshots addresses (``verify=True``), opens the engine's update;
+- ``load(bucket)``  validates the whole bucket first, takes the expected checksums
+                    (``verify=True``), then hands it to ``engine.load_weights``;
+- ``finish()``      requires every name sent, closes the engine's update with the
+                    verifier as its ``check`` (a failed check commits nothing).
 
-Steps (1) and (2) are private and only ``finish()`` calls them, in that order; and each
-``DerivedCache.refresh`` itself refuses to run while its layer is in loading layout, so
-refreshing before restoring cannot be expressed through the API. Any other call order
-raises ``RefitError``.
+Any other call order raises ``RefitError``. Nothing here touches an engine private: the
+engine's public bracket, its route table and ``named_state_tensors()`` are the interface.
 """
 from __future__ import annotations
 
 import enum
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
+from hybridrl.refit import names as N
 from hybridrl.refit import verify as V
 from hybridrl.refit.bucket import nbytes
 from hybridrl.refit.errors import RefitError, listing
-from hybridrl.refit.layout import NameLayout
-from hybridrl.rollout.derived import named_derived_caches
-from hybridrl.rollout.layers.linear import LinearBase
-from hybridrl.quant.fp8 import (FP8_DTYPE, abs_error_bound, block_scale_shape, dequantize_,
-                                quantize_)
-
-_ACTIVE: "weakref.WeakKeyDictionary[object, Refit]" = weakref.WeakKeyDictionary()
 
 
 class State(enum.Enum):
@@ -58,23 +52,13 @@ class RefitStats:
         return self.bytes_moved / max(self.seconds, 1e-12) / 1e9
 
 
-def _layout_of(engine) -> NameLayout:
-    """The engine's name layout, built once per engine (it depends only on the engine's
-    fixed parameters, whose addresses never change)."""
-    layout = getattr(engine, "_refit_name_layout", None)
-    if layout is None:
-        layout = NameLayout(engine)
-        engine._refit_name_layout = layout
-    return layout
-
-
 class Refit:
     """One refit of ``engine``. Use ``refit_session(engine)`` or call the steps yourself."""
 
     def __init__(self, engine, *, verify: bool = False):
         self.engine, self.verify = engine, verify
+        self.routes = engine.weight_routes
         self.state = State.NEW
-        self.layout = _layout_of(engine)
         self.written: set[str] = set()
         self.bytes = 0
         self._sent: dict[str, tuple[float, float]] = {}
@@ -83,24 +67,16 @@ class Refit:
 
     # -- protocol ---------------------------------------------------------------------
     def begin(self, names: Iterable[str] | None = None) -> "Refit":
-        """Announce the names to be sent (default: all) and enter loading layout."""
+        """Announce the names to be sent (default: all) and open the engine's weight update."""
         self._expect(State.NEW, "begin")
-        if _ACTIVE.get(self.engine) is not None:
-            raise RefitError("another refit of this engine is in progress; finish() or abort it first")
-        self.layout.check_announced(self.layout.expected if names is None else names)
+        if self.engine.weight_update_in_progress:
+            raise RefitError("another weight update of this engine is in progress; finish() or abort() it first")
+        N.check_announced(self.routes, self.routes.expected if names is None else names)
         self._t0 = time.perf_counter()
         if self.verify:
             self._addresses = V.snapshot(self.engine.named_state_tensors())
-        _ACTIVE[self.engine] = self
+        self.engine.begin_weight_update()
         self.state = State.LOADING
-        try:
-            for layer in self._linears():
-                restore = getattr(layer.method, "restore_loading_layout", None)
-                if restore is not None:
-                    restore(layer)
-        except BaseException:
-            self.abort()  # re-applies inference layouts and releases the engine
-            raise
         return self
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -108,52 +84,40 @@ class Refit:
         self._expect(State.LOADING, "load")
         named = [(n, t.detach()) for n, t in named_tensors]
         try:
-            routes = self.layout.check_bucket(named, self.written)
+            kept = N.check_bucket(self.routes, named, self.written)
         except RefitError as e:
             self.abort()
             if self.written:
                 raise RefitError(f"{e} (but {len(self.written)} earlier tensors of this refit were "
                                  "written: the engine holds a partial refit; run a complete one)") from None
             raise
-        by_name = {r.hf_name: r for r in routes}
-        with torch.no_grad():
-            for name, t in named:
-                r = by_name.get(name)
-                if r is None:
-                    continue  # tied lm_head
-                if self.verify:
-                    self._sent[name] = self._sent_checksum(r, t)
-                r.write(t)
-                self.written.add(name)
-                self.bytes += nbytes(t)
+        if self.verify:
+            for name, t in kept:  # before the write: a bucket view is reused afterwards
+                self._sent[name] = self._expected_checksum(name, t)
+        self.engine.load_weights(kept)
+        self.written.update(n for n, _ in kept)
+        self.bytes += sum(nbytes(t) for _, t in kept)
 
     def finish(self) -> RefitStats:
-        """Inference layouts, then derived caches; verify; advance the weight version."""
+        """Close the engine's update (layouts, then caches, then ``verify``); it advances the version."""
         self._expect(State.LOADING, "finish")
-        missing = self.layout.expected - self.written
+        missing = self.routes.expected - self.written
         self.state = State.FAILED  # until every step below succeeded
-        _ACTIVE.pop(self.engine, None)
-        self._restore_inference_layouts()
-        self._refresh_derived_caches()
         if missing:
+            self.engine.abort_weight_update()  # layouts and caches consistent, version unchanged
             raise RefitError(f"refit incomplete: {len(missing)} weights never sent: {listing(missing)}; "
                              "the engine holds a partial refit and weight_version was not advanced; "
                              "run a complete refit")
-        if self.verify:
-            self._verify()
-        self.engine.weight_version += 1
+        version = self.engine.finish_weight_update(check=self._verify if self.verify else None)
         self.state = State.DONE
-        return RefitStats(self.bytes, time.perf_counter() - self._t0, self.engine.weight_version,
-                          len(self.written))
+        return RefitStats(self.bytes, time.perf_counter() - self._t0, version, len(self.written))
 
     def abort(self) -> None:
         """Leave loading layout without advancing the version (after an error)."""
         if self.state is not State.LOADING:
             return
-        self._restore_inference_layouts()
-        self._refresh_derived_caches()
-        _ACTIVE.pop(self.engine, None)
         self.state = State.FAILED
+        self.engine.abort_weight_update()
 
     def __enter__(self) -> "Refit":
         if self.state is State.NEW:
@@ -166,54 +130,31 @@ class Refit:
         elif self.state is State.LOADING:
             self.stats = self.finish()
 
-    # -- steps only finish()/abort() run, in this order ---------------------------------
-    def _restore_inference_layouts(self) -> None:
-        for layer in self._linears():
-            apply = getattr(layer.method, "apply_inference_layout", None)
-            if apply is not None:
-                apply(layer)
-            else:
-                layer.method.process_weights_after_loading(layer)
-
-    def _refresh_derived_caches(self) -> None:
-        for _, cache in named_derived_caches(self.engine.model):
-            cache.refresh()
-
     # -- helpers ----------------------------------------------------------------------
-    def _linears(self):
-        return [m for m in self.engine.model.modules() if isinstance(m, LinearBase)]
-
     def _expect(self, state: State, step: str) -> None:
         if self.state is not state:
             raise RefitError(f"Refit.{step}() called in state {self.state.value!r}; the order is "
                              "begin() -> load()* -> finish(), once per Refit object")
 
-    def _sent_checksum(self, r, t: torch.Tensor) -> tuple[float, float]:
-        """(checksum of the value the engine must now hold for ``t``, tolerance 0).
+    def _expected_checksum(self, name: str, t: torch.Tensor) -> tuple[float, float]:
+        """(checksum of the value the engine must hold for ``t`` after the write, tolerance 0).
 
-        The expected value is computed independently of the engine: ``t`` cast to the
-        slot dtype, or for FP8 ``dequant(quant(t))`` (whose error against ``t`` is checked
-        here against ``abs_error_bound``). Both are deterministic, so the comparison in
-        ``finish()`` is exact — a worst-case error tolerance would hide swapped shards.
+        The route's linear method computes that value independently of the engine's storage
+        (``t`` cast to the slot dtype; for FP8 ``dequant(quant(t))`` on ``t``'s device, whose
+        error is checked against ``abs_error_bound``). Both sides are deterministic, so the
+        comparison in ``finish()`` is exact — a worst-case error tolerance would hide
+        swapped shards.
         """
-        if r.fp8:
-            block = r.layer.fp8_method.block
-            weight = torch.empty(t.shape, dtype=FP8_DTYPE)
-            scale = torch.empty(block_scale_shape(*t.shape) if block else (t.shape[0], 1))
-            quantize_(t, weight, scale, block=block)
-            expected = torch.empty(t.shape, dtype=torch.float32)
-            dequantize_(weight, scale, expected)
-            if not ((expected - t).abs() <= abs_error_bound(t, scale)).all():
-                raise RefitError(f"FP8 quantization of {r.hf_name} exceeds its error bound; "
-                                 "check for inf/nan in the trainer weights")
-        else:
-            expected = t.to(r.param.dtype)
+        try:
+            expected = self.routes[name].expected_held(t)
+        except ValueError as e:
+            raise RefitError(f"{name}: {e}") from None
         return V.weighted_sum(expected), 0.0
 
     def _verify(self) -> None:
         V.check_addresses(self._addresses, V.snapshot(self.engine.named_state_tensors()))
-        V.check_derived_caches(named_derived_caches(self.engine.model))
-        held = {n: V.weighted_sum(self.layout.routes[n].held()) for n in self._sent}
+        V.check_derived_caches(self.engine.named_derived_caches())
+        held = {n: V.weighted_sum(self.routes[n].held()) for n in self._sent}
         V.check_checksums(self._sent, held)
 
 

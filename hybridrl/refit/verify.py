@@ -8,12 +8,12 @@ Two independent checks, both run by ``Refit(verify=True)``:
    tensor may have appeared or vanished. A cache dropped and rebuilt, a parameter rebound
    by a load, a re-laid-out weight in new storage: all fail here.
 2. **Contents.** For every tensor the trainer sent, a position-weighted float64 checksum
-   of the value the engine *must* hold is taken on arrival — the tensor cast to the slot
-   dtype, or for FP8 its dequantized quantization, computed independently of the engine
-   (and checked against ``hybridrl.quant.abs_error_bound``). After ``finish()`` the same
-   checksum of what the engine holds for that name (the fused slice; for FP8 its float32
-   dequantization, in whichever layout) must be equal: both sides are deterministic, so
-   the comparison is exact. A worst-case-error tolerance would be ~n·2⁻⁴·|w| and hide a
+   of the value the engine *must* hold is taken on arrival: ``route.expected_held(t)``,
+   which the slot's linear method computes independently of the engine's storage (the
+   tensor cast to the slot dtype, or for FP8 its dequantized quantization, checked against
+   ``hybridrl.quant.abs_error_bound``). After ``finish()`` the same checksum of
+   ``route.held()`` (the fused slice; for FP8 its float32 dequantization, in whichever
+   layout) must be equal: both sides are deterministic, so the comparison is exact. A worst-case-error tolerance would be ~n·2⁻⁴·|w| and hide a
    swapped k/v shard; exactness does not. The position weights make swapped or
    transposed slices visible even when plain sums agree.
 Plus: every registered derived cache must equal a fresh recomputation from its sources,

@@ -58,7 +58,7 @@ class DerivedCache:
         if not self.ready():
             raise DerivedCacheError(
                 f"derived cache {self.attr!r} refreshed while its sources are not in "
-                "inference layout; refresh only through Refit.finish()")
+                "inference layout; refresh only through the engine's finish_weight_update()")
         out = self.tensor
         if out.data_ptr() != self.data_ptr:
             raise DerivedCacheError(

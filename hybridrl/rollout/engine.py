@@ -1,25 +1,37 @@
-"""RolloutEngine: the public face of the built-in rollout engine (see docs/interfaces.md)."""
+"""RolloutEngine: the public face of the built-in rollout engine (see docs/interfaces.md).
+
+Weights change only through the engine's own weight-update bracket (``weight_update.py``):
+``begin_weight_update()`` -> ``load_weights(bucket)``* -> ``finish_weight_update()``. The
+engine is the only writer of ``weight_version`` (+1 per complete update) and captures its
+CUDA graphs at the first complete update, whichever path it came through (a first
+``load_weights``, ``from_pretrained`` or a refit).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.generation import Request, run_batch
-from hybridrl.rollout.layers.linear import LinearBase, get_linear_method
+from hybridrl.rollout.hf_checkpoint import iter_safetensors_dir
+from hybridrl.rollout.layers.quantization import get_linear_method
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
 from hybridrl.rollout.rollouts import Rollouts, build_rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
-from hybridrl.rollout.weight_loading import iter_safetensors_dir, load_weights
+from hybridrl.rollout.weight_routes import WeightRoutes
+from hybridrl.rollout.weight_update import WeightUpdate
 
 
 class RolloutEngine:
     """Fused-weight Llama/Qwen2/Qwen3 decoder + static KV cache + sampler (+ CUDA graphs).
 
-    Weights are uninitialized until `load_weights` (or `from_pretrained`).
+    Weights are uninitialized until the first complete weight update (`load_weights`,
+    `from_pretrained` or a refit).
     """
 
     def __init__(self, hf_config: Any, *, max_batch_size: int, max_seq_len: int,
@@ -40,7 +52,9 @@ class RolloutEngine:
                                         dtype, self.device)
         # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
         self.runner = ModelRunner(self.model, max_batch_size, max_seq_len, dtype, self.device, compile_decode)
-        self.weight_version = 0
+        self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
+        self._update = WeightUpdate(self.model, self.weight_routes)
+        self._weight_version = 0  # written only by _commit_weight_update
         # Drop finished rows from the decode batch (measured in benchmarks/rollout.py,
         # "compaction" row); off only to measure what it buys.
         self.compact_finished_rows = True
@@ -54,37 +68,81 @@ class RolloutEngine:
         engine.load_weights(iter_safetensors_dir(path))
         return engine
 
-    # ---- weights -------------------------------------------------------------------
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF-named tensors -> in-place copies through each parameter's weight_loader.
+    # ---- weights: the update bracket ------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """Number of complete weight updates so far (0 = never loaded); stamped on every `Rollouts`."""
+        return self._weight_version
 
-        The first load also captures the CUDA graphs (they need real weights to warm up);
-        later loads (refits) keep every address the graphs hold.
+    @property
+    def weight_update_in_progress(self) -> bool:
+        """True between `begin_weight_update()` and `finish_weight_update()` / `abort_weight_update()`."""
+        return self._update.is_open
+
+    def begin_weight_update(self) -> None:
+        """Open an update: every linear back in loading layout, in place. Raises if one is open."""
+        self._update.begin()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF-named tensors -> in-place writes through each parameter's `weight_loader`.
+
+        Inside an open update: one bucket of it. Otherwise a complete one-shot update
+        (begin, load, finish): every name of `expected_weight_names()` must be among them.
+        A tied `lm_head.weight` is accepted and ignored. Returns the names written.
         """
-        loaded = load_weights(self.model, named_tensors)
-        self.weight_version += 1
+        if self._update.is_open:
+            return self._update.load(named_tensors)
+        with self.weight_update():
+            return self._update.load(named_tensors)
+
+    def finish_weight_update(self, check: Callable[[], None] | None = None) -> int:
+        """Close the update: inference layouts, then derived caches, in place; then require
+        every expected name written and run `check()` (e.g. refit's verifier). Only if all
+        pass: `weight_version` += 1 (returned) and, the first time, CUDA-graph capture.
+        On any error the update is closed and nothing is committed.
+        """
+        self._update.finish(check)
+        return self._commit_weight_update()
+
+    def abort_weight_update(self) -> None:
+        """Close an open update without committing (layouts and caches made consistent)."""
+        self._update.abort()
+
+    @contextlib.contextmanager
+    def weight_update(self, check: Callable[[], None] | None = None):
+        """``with engine.weight_update(): engine.load_weights(bucket) ...`` — finish on a
+        clean exit, abort on an exception."""
+        self.begin_weight_update()
+        try:
+            yield self
+        except BaseException:
+            self.abort_weight_update()
+            raise
+        self.finish_weight_update(check)
+
+    def _commit_weight_update(self) -> int:
+        self._weight_version += 1
+        # Graphs capture real weights' kernels (the warm-up runs them), so they wait for the
+        # first complete update; later updates write in place and keep every captured address.
         if self._use_graphs and self.runner.graphs is None:
             from hybridrl.rollout.cuda_graph import graph_batch_sizes
             self.runner.capture_cuda_graphs(graph_batch_sizes(self.max_batch_size))
-        return loaded
+        return self._weight_version
 
+    # ---- weights: what they are ------------------------------------------------------
     def expected_weight_names(self) -> set[str]:
-        # the name set is fixed at construction: compute it once (refit validates often)
-        if getattr(self, "_expected_names", None) is None:
-            self._expected_names = frozenset(self.model.hf_weight_names())
-        return set(self._expected_names)
+        """Every HF name a complete update writes exactly once (a tied `lm_head.weight` is not one)."""
+        return set(self.weight_routes.expected)
 
     def weight_spec(self, hf_name: str) -> tuple[torch.Size, torch.dtype]:
         """(HF shape before fusion, engine dtype) of the tensor the trainer must send for `hf_name`."""
-        self.expected_weight_names()
-        if hf_name not in self._expected_names:
+        if hf_name not in self.weight_routes:
             raise ValueError(f"weight_spec: {hf_name!r} is not a weight of this rollout model")
-        name, shard_id = self.model.resolve(hf_name)
-        module_name, leaf = name.rsplit(".", 1)
-        module = self.model.get_submodule(module_name)
-        if isinstance(module, LinearBase):
-            return module.shard_shape(shard_id, leaf), self.dtype
-        return self.model.get_parameter(name).shape, self.dtype
+        return self.weight_routes[hf_name].shape, self.dtype
+
+    def named_derived_caches(self) -> Iterator[tuple[str, DerivedCache]]:
+        """Every derived cache (a tensor computed from weights, refreshed in place by an update)."""
+        return named_derived_caches(self.model)
 
     def named_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, buffer, KV-cache and CUDA-graph tensor the engine holds."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.attention.masks import sdpa_mask
 from hybridrl.rollout.cuda_graph import CudaGraphRunner
 from hybridrl.rollout.kv_cache import KVCache
 from hybridrl.rollout.layers.attention import ForwardContext
@@ -80,8 +81,11 @@ class ModelRunner:
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Full-sequence logits [B, S, V] float32, no KV cache involved.
 
-        Right padding (or no padding) runs as plain causal attention; any other mask is
-        honoured with positions = cumsum(mask) - 1 and a bool [B, 1, S, S] mask.
+        Right padding (or no padding) runs as plain causal attention, no mask at all; any
+        other padding is honoured with positions = cumsum(mask) - 1 and the bool
+        [B, 1, S, S] `sdpa_mask`, built at the memory floor (its output plus O(B*S), never
+        an S x S temporary). Outputs at pad positions are meaningless (a pad query attends
+        only to itself there); valid positions never see a pad key.
         """
         B, S = input_ids.shape
         mask = attention_mask.to(torch.bool)
@@ -90,8 +94,7 @@ class ModelRunner:
             positions, attn_mask = self.slot_ids[:S].expand(B, S), None
         else:
             positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
-            causal = torch.ones(S, S, dtype=torch.bool, device=mask.device).tril_()
-            attn_mask = (causal & mask[:, None, None, :]) | torch.eye(S, dtype=torch.bool, device=mask.device)
+            attn_mask = sdpa_mask(mask)
         cos, sin = self.model.model.rotary_emb.tables(positions)
         ctx = ForwardContext(positions, cos, sin, kv_cache=None, attn_mask=attn_mask)
         return self.model.compute_logits(self.model(input_ids, ctx)).float()

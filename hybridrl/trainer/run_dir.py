@@ -67,7 +67,7 @@ def _lock(path: Path) -> int:
 
 
 def _resume_source(path: Path, resume: str) -> Path | None:
-    existing = [name for name in RUN_FILES if (path / name).exists() or (path / name).is_symlink()]
+    existing = [name for name in RUN_FILES if _holds_data(path / name)]
     latest = path / "checkpoint"
     if resume not in ("auto", "off"):
         source = Path(resume).expanduser()
@@ -83,3 +83,12 @@ def _resume_source(path: Path, resume: str) -> Path | None:
         return latest.resolve()
     raise ValueError(f"run directory {path} holds a run ({', '.join(existing)}) but no checkpoint to resume "
                      "from; choose another trainer.run_name, or move that directory away")
+
+
+def _holds_data(p: Path) -> bool:
+    """An empty metrics file or directory (a run stopped during setup) holds nothing to lose."""
+    if p.is_symlink():
+        return True
+    if p.is_dir():
+        return any(p.iterdir())
+    return p.exists() and p.stat().st_size > 0

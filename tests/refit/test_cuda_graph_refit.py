@@ -1,4 +1,5 @@
-"""GPU: decode graphs captured once stay valid across refits (bf16 and FP8 engines)."""
+"""GPU: decode graphs captured once stay valid across refits (bf16 and FP8 engines), and a
+refit-only start (no load_weights) captures them too."""
 import pytest
 import torch
 
@@ -31,3 +32,24 @@ def test_graph_replay_equals_eager_after_each_refit(quantization):
         if previous is not None:
             assert not torch.equal(replay, previous), "graph kept reading the old weights"
         previous = replay
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_refit_only_start_captures_graphs(quantization):
+    """No load_weights: the first (verified, CUDA-tensor) refit is the first complete update."""
+    cfg = qwen2_config()
+    hf = hf_model(cfg).float()
+    eng = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda",
+                        quantization=quantization)
+    refit_from_model(eng, [(n, p.detach().cuda()) for n, p in hf.named_parameters()], verify=True)
+    graphs = eng.runner.graphs
+    assert graphs is not None, "a refit-only start must capture the decode graphs"
+    perturb(hf, seed=7)
+    refit_from_model(eng, [(n, p.detach().cuda()) for n, p in hf.named_parameters()], verify=True)
+    assert eng.runner.graphs is graphs, "captured once, never again"
+    tokens = torch.tensor([5, 7, 11], device="cuda")
+    positions = torch.zeros(3, dtype=torch.long, device="cuda")
+    replay = graphs.replay(tokens, positions).clone()
+    with torch.inference_mode():
+        eager = eng.runner.decode_eager(tokens, positions, eng.runner.max_seq_len)
+    torch.testing.assert_close(replay, eager, atol=0, rtol=0)

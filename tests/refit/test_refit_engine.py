@@ -5,7 +5,6 @@ import torch
 import hybridrl.rollout.layers.fp8_linear as fp8_linear
 from hybridrl.quant.fp8 import dequantize_
 from hybridrl.refit import refit_from_model, refit_session
-from hybridrl.refit.layout import NameLayout
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.derived import named_derived_caches
 from tests.refit.helpers import (engine, hf_model, inputs, llama_config, perturb, qwen2_config,
@@ -50,12 +49,11 @@ def _dequantized_hf(hf, eng):
     """A copy of ``hf`` whose linear weights are the engine's exact FP8 dequantization."""
     ref = type(hf)(hf.config).double().eval()
     ref.load_state_dict(hf.state_dict())
-    layout = NameLayout(eng)
     params = dict(ref.named_parameters())
     with torch.no_grad():
-        for name, route in layout.routes.items():
-            if route.fp8:
-                params[name].copy_(route.held())
+        for route in eng.weight_routes:
+            if route.layer is not None:  # a linear weight: FP8 here, held() is its dequantization
+                params[route.hf_name].copy_(route.held())
     return ref
 
 

@@ -57,3 +57,25 @@ def test_compaction_keeps_rows_exact():
             assert batch.response_token_ids[b] == alone.response_token_ids[0]
             torch.testing.assert_close(batch.logprobs[b, :len(prompts[b]) + 20],
                                        alone.logprobs[0, :len(prompts[b]) + 20], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_logits_mask_is_built_at_the_memory_floor(monkeypatch):
+    """A left-padded `logits()` call builds its [B, 1, S, S] mask with `attention.masks.sdpa_mask`
+    (output + O(B*S)), not S x S temporaries; right padding builds no mask at all."""
+    import hybridrl.rollout.model_runner as model_runner
+
+    calls = []
+    real = model_runner.sdpa_mask
+    monkeypatch.setattr(model_runner, "sdpa_mask", lambda m: calls.append(tuple(m.shape)) or real(m))
+    cfg = make_config("qwen2")
+    engine = RolloutEngine(cfg, max_batch_size=2, max_seq_len=32)
+    engine.load_weights(make_hf_model(cfg).named_parameters())
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    right = torch.ones_like(ids)
+    right[1, 6:] = 0
+    engine.logits(ids, right)
+    assert calls == []
+    left = torch.ones_like(ids)
+    left[0, :3] = 0
+    engine.logits(ids, left)
+    assert calls == [(2, 9)]

@@ -59,7 +59,7 @@ def test_dynamic_sampling_refill(tmp_path):
         assert 0.0 <= r["batch/kept_fraction"] <= 1.0
 
 
-def test_merge_keeps_rows_and_scores_aligned():
+def test_merge_keeps_rows_and_scores_aligned(tmp_path):
     import random
 
     import torch
@@ -67,7 +67,7 @@ def test_merge_keeps_rows_and_scores_aligned():
     from hybridrl.trainer.build import build_run
     from hybridrl.trainer.step_batch import merge
 
-    cfg = load_config(None, TINY + ["trainer.output_dir=/tmp/hybridrl-test-merge", "trainer.run_name=m"])
+    cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=m"])
     run = build_run(cfg, console=lambda s: None)
     step, rng = run.step, random.Random(3)
     a, b = step.sample(rng), step.sample(rng)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.kv_cache import KVCache
-from hybridrl.rollout.layers.linear import LinearMethodBase, QKVLinear, ReplicatedLinear
+from hybridrl.rollout.layers.linear import QKVLinear, ReplicatedLinear
+from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.rotary import apply_rotary
 from hybridrl.rollout.model_config import ModelConfig

@@ -16,9 +16,9 @@ scale after loading. This step is exactly the kind that, run twice without being
 undone, doubles the scale on every sync — so here it is an explicit, flagged pair:
 ``restore_loading_layout`` (scale /= 2) and ``apply_inference_layout`` (scale *= 2),
 both in place on the same storage, each a no-op if the layer is already in that layout.
-``Refit.begin()`` restores loading layouts; ``Refit.finish()`` re-applies inference
-layouts to every layer and only then refreshes derived caches (each cache refuses to
-refresh while its layer is in loading layout). On CUDA/CPU the inference layout is the
+The engine's weight-update bracket runs them: ``begin`` restores loading layouts;
+``finish`` re-applies inference layouts to every layer and only then refreshes derived
+caches (each cache refuses to refresh while its layer is in loading layout). On CUDA/CPU the inference layout is the
 loading layout (``_scaled_mm`` reads ``weight.t()``, a column-major view); tests force
 the fnuz layout on CPU with ``Fp8LinearMethod(block, fnuz=True)`` or ``FNUZ_DEFAULT``.
 
@@ -31,16 +31,21 @@ every shard but the last to span whole 128-row tiles and raise at construction o
 Numerics: weight-only dequantization on the cache path (activations stay in the engine
 dtype); on the ``_scaled_mm`` path activations are also quantized per token to e4m3fn.
 Per-element weight error is bounded by ``hybridrl.quant.abs_error_bound``.
+
+Verification (``expected_held`` / ``held``) lives here too, so nothing outside this file
+needs to know that a weight is FP8: the expected value is ``dequant(quant(w))`` computed on
+the trainer tensor's device, exactly as ``weight_loader`` computes it.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from hybridrl.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, block_scale_shape, dequantize_, quantize_
+from hybridrl.quant.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, abs_error_bound, block_scale_shape, dequantize_,
+                                quantize_)
 from hybridrl.rollout.derived import DerivedCache
 from hybridrl.rollout.layers import cpu_linear
-from hybridrl.rollout.layers.linear import LinearMethodBase
+from hybridrl.rollout.layers.linear_method import LinearMethodBase
 
 FNUZ_DEFAULT: bool | None = None  # None: fnuz inference layout exactly when running on ROCm
 FNUZ_SCALE = 2.0  # e4m3fnuz bits encode half the e4m3fn value
@@ -69,7 +74,6 @@ class Fp8LinearMethod(LinearMethodBase):
                                           requires_grad=False)
         layer.weight.weight_loader = lambda p, w, shard_id=None: self.weight_loader(layer, p, w, shard_id)
         layer.fp8_inference_layout = False  # created in loading layout
-        layer.fp8_method = self
         layer.weight_dequant_cache = None
         if not self._scaled_mm_ok(layer, dtype, device):
             cache = torch.zeros(n, k, dtype=dtype, device=device)
@@ -94,9 +98,9 @@ class Fp8LinearMethod(LinearMethodBase):
             raise ValueError(
                 f"weight for {layer.prefix} shard {shard_id!r} has shape {tuple(loaded_weight.shape)}, "
                 f"expected {tuple(slot.shape)}; check that the checkpoint matches the engine config")
-        # A plain engine.load_weights on a live engine works too: the loader first puts this
-        # layer back in loading layout; process_weights_after_loading re-applies it.
-        self.restore_loading_layout(layer)
+        if layer.fp8_inference_layout:  # the engine's weight update restores loading layout first
+            raise ValueError(f"{layer.prefix}: FP8 weight written outside a weight update; load through "
+                             "engine.load_weights or begin_weight_update() ... finish_weight_update()")
         quantize_(loaded_weight, slot, self.scale_rows(layer, rows), block=self.block)
 
     def scale_rows(self, layer, rows: slice) -> torch.Tensor:
@@ -124,12 +128,6 @@ class Fp8LinearMethod(LinearMethodBase):
             layer.weight_scale.data.mul_(FNUZ_SCALE)
         layer.fp8_inference_layout = True
 
-    def process_weights_after_loading(self, layer) -> None:
-        """Plain-load path: inference layout, then this layer's derived cache."""
-        self.apply_inference_layout(layer)
-        if layer.weight_dequant_cache is not None:
-            layer.weight_dequant_cache.refresh()
-
     # -- reading ---------------------------------------------------------------------
     def inference_weight(self, layer) -> torch.Tensor:
         """``weight`` as the kernels read it (an e4m3fnuz view of the same storage on fnuz)."""
@@ -140,17 +138,34 @@ class Fp8LinearMethod(LinearMethodBase):
         assert layer.fp8_inference_layout, "dequantize_into reads the inference layout"
         dequantize_(self.inference_weight(layer), layer.weight_scale, out)
 
-    def dequantize_rows(self, layer, rows: slice) -> torch.Tensor:
-        """Float32 dequantization of weight rows ``rows`` in either layout (for verification)."""
+    # -- verification ----------------------------------------------------------------
+    def expected_held(self, layer, loaded_weight, shard_id):
+        """float32 ``[rows, K]``: ``dequant(quant(loaded_weight))``, what ``held`` will return.
+
+        Quantized into fresh tensors on ``loaded_weight``'s device with this shard's own
+        scales, as ``weight_loader`` does (a shard starts on a scale-tile boundary, so its
+        scales do not depend on its neighbours). Raises if the round trip exceeds
+        ``abs_error_bound`` (inf/nan in the trainer weights).
+        """
+        src, device = loaded_weight, loaded_weight.device
+        weight = torch.empty(src.shape, dtype=FP8_DTYPE, device=device)
+        scale = torch.empty(block_scale_shape(*src.shape) if self.block else (src.shape[0], 1),
+                            dtype=torch.float32, device=device)
+        quantize_(src, weight, scale, block=self.block)
+        expected = torch.empty(src.shape, dtype=torch.float32, device=device)
+        dequantize_(weight, scale, expected)
+        if not ((expected - src).abs() <= abs_error_bound(src, scale)).all():
+            raise ValueError(f"{layer.prefix} shard {shard_id!r}: FP8 quantization exceeds its error "
+                             "bound; check for inf/nan in the trainer weights")
+        return expected
+
+    def held(self, layer, rows):
+        """float32 ``[rows, K]`` dequantization of weight rows ``rows``, in either layout."""
         w = layer.weight.data[rows]
-        scale = layer.weight_scale.data
         if layer.fp8_inference_layout and self.fnuz:
             w = w.view(torch.float8_e4m3fnuz)  # scale is doubled in this layout too
         out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
-        if self.block:
-            dequantize_(w, scale[rows.start // BLOCK:-(-rows.stop // BLOCK)], out)
-        else:
-            dequantize_(w, scale[rows], out)
+        dequantize_(w, self.scale_rows(layer, rows), out)
         return out
 
     def apply(self, layer, x):

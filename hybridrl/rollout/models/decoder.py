@@ -6,15 +6,14 @@ Hugging Face ones so that an HF name maps to ours by `packed_modules_mapping` al
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.layers.attention import Attention, ForwardContext
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
-from hybridrl.rollout.layers.linear import LinearBase, LinearMethodBase, MergedColumnLinear, ReplicatedLinear
+from hybridrl.rollout.layers.linear import MergedColumnLinear, ReplicatedLinear
+from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.rotary import RotaryEmbedding
 from hybridrl.rollout.model_config import ModelConfig
@@ -72,7 +71,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """HF q/k/v and gate/up names -> (fused module, shard id)."""
+    """The causal LM. ``packed_modules_mapping``: HF q/k/v and gate/up module names ->
+    (fused module, shard id); ``hybridrl.rollout.weight_routes`` builds every route from it."""
 
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -95,25 +95,3 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in the model dtype."""
         return self.lm_head(hidden)
-
-    def resolve(self, hf_name: str) -> tuple[str, str | int | None]:
-        """HF parameter name -> (our parameter name, shard id)."""
-        for hf_part, (fused, shard_id) in self.packed_modules_mapping.items():
-            if f".{hf_part}." in hf_name:
-                return hf_name.replace(f".{hf_part}.", f".{fused}."), shard_id
-        return hf_name, None
-
-    def hf_weight_names(self) -> Iterable[str]:
-        """Every HF name a full load writes (lm_head.weight omitted when tied)."""
-        for name, param in self.named_parameters():
-            module_name, leaf = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            if isinstance(module, LinearBase) and leaf not in ("weight", "bias"):
-                continue  # a linear method's own tensor (e.g. an FP8 scale), not an HF name
-            if isinstance(module, LinearBase) and module.shard_names != (None,):
-                fused = name.split(".")[-2]
-                for hf_part, (target, _) in self.packed_modules_mapping.items():
-                    if target == fused:
-                        yield name.replace(f".{fused}.", f".{hf_part}.")
-            else:
-                yield name

@@ -1,0 +1,72 @@
+"""Name validation: which HF names a refit must send, checked before anything is written.
+
+Every engine weight must be written exactly once per refit. The names, their HF shapes
+and the names to ignore come from the engine's route table (``engine.weight_routes``, the
+one HF-name -> slot mapping, owned by the rollout side); this module only judges what the
+producer sends against it. A bucket is validated as a whole — unknown names, duplicates
+(within the bucket or already written this refit), shape and dtype mismatches — *before*
+any of it is written, and all problems are reported in one error, so a rejected bucket
+leaves the engine as it was.
+
+Missing names can only be known once the producer says what it will send. So a refit
+announces its name set in ``begin(names=...)`` and the set is checked against the
+engine's before anything is written: a partial layout (the classic "fused / MoE weight
+skipped by name matching") is rejected with the engine unchanged. ``refit_from_model``
+always announces. A session begun without names is taken to announce the engine's full
+set; if the stream then ends short, ``finish()`` cannot undo what was written (that
+would need a model-sized staging copy, which bucketing exists to avoid): it raises, does
+not advance ``weight_version``, and still leaves layouts and caches consistent.
+
+Tied embeddings: ``lm_head.weight`` is then in ``routes.ignored``: accepted and skipped
+(the head *is* the embedding storage, so it stays tied).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from hybridrl.refit.errors import RefitError, listing
+
+TRAINER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_announced(routes, names: Iterable[str]) -> None:
+    """The announced set must be exactly ``routes.expected`` (ignored names tolerated)."""
+    seen, dup = set(), set()
+    for n in names:
+        (dup if n in seen else seen).add(n)
+    seen -= routes.ignored
+    _raise_if("announced refit", missing=routes.expected - seen, unknown=seen - routes.expected, duplicate=dup)
+
+
+def check_bucket(routes, named: list[tuple[str, torch.Tensor]], written: set[str]
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """Validate a whole bucket against ``routes``; return the pairs to load (ignored ones dropped)."""
+    seen, dup, unknown, bad = set(), set(), set(), []
+    kept = []
+    for name, t in named:
+        if name in routes.ignored:
+            continue
+        if name not in routes.expected:
+            unknown.add(name)
+            continue
+        if name in seen or name in written:
+            dup.add(name)
+        seen.add(name)
+        shape = routes[name].shape
+        if tuple(t.shape) != tuple(shape):
+            bad.append(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
+        elif t.dtype not in TRAINER_DTYPES:
+            bad.append(f"{name} dtype {t.dtype} is not a trainer float dtype {TRAINER_DTYPES}")
+        kept.append((name, t))
+    _raise_if("refit bucket", unknown=unknown, duplicate=dup, mismatched=bad)
+    return kept
+
+
+def _raise_if(where: str, **problems) -> None:
+    parts = [f"{kind} ({len(v)}): {listing(v)}" for kind, v in problems.items() if v]
+    if parts:
+        raise RefitError(f"{where} rejected, engine unchanged — " + "; ".join(parts)
+                         + "; send each name of engine.expected_weight_names() exactly once "
+                         "with the shape of engine.weight_spec(name)")

@@ -1,0 +1,106 @@
+"""The route table: every Hugging Face weight name -> its slot in the engine, built once.
+
+A route says where one trainer tensor lands (parameter, fused shard, rows), what shape the
+trainer must send, and how it is written (the parameter's own ``weight_loader``). The same
+table serves the first load, every refit, and refit's validation and verification, so the
+HF-name -> slot mapping exists once. It is derived from the model alone: the model's
+``packed_modules_mapping`` (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) and each
+linear layer's shard geometry.
+
+Tied embeddings: ``lm_head.weight`` is then the embedding Parameter itself, so it has no
+route of its own; it is in ``ignored`` (accepted and skipped when sent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from hybridrl.rollout.layers.linear import LinearBase
+
+TIED_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class WeightRoute:
+    """Where one HF tensor lands. ``shape`` is the HF shape (before fusion)."""
+
+    hf_name: str
+    param_name: str
+    shard_id: str | int | None
+    shape: torch.Size
+    param: nn.Parameter
+    rows: slice | None
+    """rows of ``param`` this shard fills; None = the whole parameter."""
+    layer: LinearBase | None
+    """set when ``param`` is a linear method's weight: the method then owns its values."""
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` in place through the parameter's ``weight_loader``."""
+        self.param.weight_loader(self.param, tensor, self.shard_id)
+
+    def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What ``held()`` will return once ``load(tensor)`` ran (computed on ``tensor``'s device)."""
+        if self.layer is not None:
+            return self.layer.method.expected_held(self.layer, tensor, self.shard_id)
+        return tensor.to(self.param.dtype)  # a plain copy_ into the slot
+
+    def held(self) -> torch.Tensor:
+        """What the engine holds for this name now (the fused slice; FP8: its float32 dequantization)."""
+        if self.layer is not None:
+            return self.layer.method.held(self.layer, self.rows)
+        return self.param.data if self.rows is None else self.param.data[self.rows]
+
+
+class WeightRoutes:
+    """HF name -> ``WeightRoute`` for every weight a full load writes exactly once."""
+
+    def __init__(self, model: nn.Module):
+        self._routes: dict[str, WeightRoute] = dict((r.hf_name, r) for r in _build(model))
+        self.expected: frozenset[str] = frozenset(self._routes)
+        """every HF name a full load / refit must write exactly once."""
+        self.ignored: frozenset[str] = frozenset({TIED_HEAD} if getattr(model.lm_head, "tied", False) else ())
+        """names accepted and skipped (a tied ``lm_head.weight``)."""
+
+    def __getitem__(self, hf_name: str) -> WeightRoute:
+        route = self._routes.get(hf_name)
+        if route is None:
+            raise ValueError(f"weight {hf_name!r} has no slot in the rollout model; check that the "
+                             "checkpoint's architecture matches the engine config")
+        return route
+
+    def __contains__(self, hf_name: object) -> bool:
+        return hf_name in self._routes
+
+    def __iter__(self) -> Iterator[WeightRoute]:
+        return iter(self._routes.values())
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+
+def _build(model: nn.Module) -> Iterator[WeightRoute]:
+    """One route per (parameter, shard); a tied head appears once, as the embedding."""
+    fused_to_hf: dict[str, list[tuple[str, str | int]]] = {}
+    for hf_part, (fused, shard_id) in model.packed_modules_mapping.items():
+        fused_to_hf.setdefault(fused, []).append((hf_part, shard_id))
+    for name, param in model.named_parameters():
+        module_name, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if not isinstance(module, LinearBase):
+            yield WeightRoute(name, name, None, param.shape, param, None, None)
+            continue
+        if leaf not in ("weight", "bias"):
+            continue  # a linear method's own tensor (e.g. an FP8 scale), not an HF name
+        layer = module if param is module.weight else None
+        if module.shard_names == (None,):
+            yield WeightRoute(name, name, None, module.shard_shape(None, leaf), param, module.shard_slice(None), layer)
+            continue
+        fused = module_name.rsplit(".", 1)[-1]
+        for hf_part, shard_id in fused_to_hf[fused]:
+            hf_name = f"{module_name[:-len(fused)]}{hf_part}.{leaf}"
+            yield WeightRoute(hf_name, name, shard_id, module.shard_shape(shard_id, leaf), param,
+                              module.shard_slice(shard_id), layer)
