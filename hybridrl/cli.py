@@ -14,9 +14,21 @@ def _train(args: argparse.Namespace) -> int:
     from hybridrl.trainer.checkpoint import CheckpointWriteError
     from hybridrl.trainer.interrupt import TrainingInterrupted
 
+    from hybridrl.distributed.context import launched_distributed
+
     cfg = load_config(args.config, args.overrides)
+    t = cfg.trainer
     try:
-        train(cfg)
+        if t.launcher == "ray" and not launched_distributed():
+            from hybridrl.distributed.ray_launch import launch_ray
+
+            launch_ray(cfg)
+        elif t.nproc_per_node > 1 and not launched_distributed():
+            from hybridrl.distributed.launch import launch_local
+
+            launch_local(cfg, nproc=t.nproc_per_node)
+        else:
+            train(cfg)
     except TrainingInterrupted as e:
         print(f"hybridrl: {e}", file=sys.stderr)
         return e.exit_code
@@ -35,14 +47,16 @@ def _config(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from hybridrl.rollout import RolloutEngine, SamplingParams
+    from hybridrl.trainer.model_factory import check_checkpoint, checkpoint_errors, load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    check_checkpoint(args.model, "--model")
+    tok = load_tokenizer(args.model, "--model")
     ids = [tok.encode(p, add_special_tokens=True) for p in args.prompts]
-    engine = RolloutEngine.from_pretrained(args.model, max_batch_size=max(1, len(ids)),
-                                           max_seq_len=max(map(len, ids)) + args.max_tokens, dtype=torch.float32)
+    with checkpoint_errors(args.model, "--model", "cannot load the model"):
+        engine = RolloutEngine.from_pretrained(args.model, max_batch_size=max(1, len(ids)),
+                                               max_seq_len=max(map(len, ids)) + args.max_tokens, dtype=torch.float32)
     stop = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     out = engine.generate(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                                               stop_token_ids=stop, seed=args.seed))
@@ -80,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user mistakes: one line, no traceback (HYBRIDRL_DEBUG=1 shows it)
         if os.environ.get("HYBRIDRL_DEBUG"):
             raise
-        print(f"hybridrl: error: {e}", file=sys.stderr)
+        message = " ".join(str(e).split())  # one line even when a library's message has several
+        print(f"hybridrl: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -20,6 +20,7 @@ import torch
 
 from .aggregation import agg_loss
 from .masked import masked_mean
+from .data_parallel import dp_sum
 from .registry import check_choice
 
 K3_LOG_RATIO_CLAMP = 20.0
@@ -93,6 +94,9 @@ def apply_kl_penalty(*, token_level_rewards, old_log_prob, ref_log_prob, respons
     beta = kl_ctrl.value
     kl = torch.where(response_mask.bool(), kl_penalty(old_log_prob.detach(), ref_log_prob.detach(), kind), 0.0)
     rewards = token_level_rewards - beta * kl
-    current_kl = masked_mean(kl, response_mask, dim=-1).mean()
+    per_seq = masked_mean(kl, response_mask, dim=-1)
+    # the global batch's mean under data parallelism (equal to the local mean in one process)
+    current_kl = dp_sum(torch.stack([per_seq.sum(), per_seq.new_tensor(per_seq.numel())]))
+    current_kl = current_kl[0] / current_kl[1]
     kl_ctrl.update(current_kl=float(current_kl), n_steps=response_mask.shape[0])
     return rewards, {"kl_penalty": current_kl.detach(), "kl_coef": torch.tensor(beta)}

@@ -37,9 +37,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """(x - mean) / sqrt(var + 1e-8) over the masked entries (unbiased var, as verl); 0 outside the mask.
 
     With ``shift_mean=False`` the mean is added back (scale only). Shapes: any, ``mask`` like ``values``.
+    Under data parallelism the mean and variance are the global batch's (``data_parallel.py``).
     """
-    mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + WHITEN_EPS)
+    from .data_parallel import dp_active, dp_masked_mean, dp_masked_var
+
+    if dp_active():
+        mean, var = dp_masked_mean(values, mask), dp_masked_var(values, mask)
+    else:
+        mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, 0.0)

@@ -152,6 +152,14 @@ class TrainerConfig:
     resume: str = _f("auto", "auto: continue the run in run_dir from its latest checkpoint (a new run when the "
                              "directory is new) | off: refuse an existing run directory | PATH: a checkpoint dir")
     max_nonfinite_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss/gradient")
+    nproc_per_node: int = _f(1, "data-parallel ranks to start on this host (FSDP2; gloo on CPU, NCCL on CUDA); "
+                                "also set by torchrun")
+    launcher: str = _f("local", "local (torch's elastic launcher / torchrun) | ray (Ray actors in a placement group)")
+    num_workers: int = _f(1, "launcher=ray: data-parallel ranks (one Ray actor each)")
+    ray_address: str | None = _f(None, "launcher=ray: cluster address (auto = a running `ray start` cluster); "
+                                       "null starts a local Ray instance")
+    ray_placement: str = _f("PACK", "launcher=ray: placement strategy of the ranks' bundles (PACK | SPREAD | STRICT_SPREAD)")
+    dist_timeout_s: float = _f(300.0, "collective timeout: a failed rank takes the job down within it")
     refit_bucket_mb: int = _f(64, "refit bucket size (MiB)")
     refit_verify: bool = _f(False, "check engine addresses and checksums after every refit")
 
@@ -168,6 +176,14 @@ class TrainerConfig:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
         check_number(self.keep_last, "trainer.keep_last", low=1)
+        check_number(self.nproc_per_node, "trainer.nproc_per_node", low=1)
+        check_number(self.num_workers, "trainer.num_workers", low=1)
+        check_number(self.dist_timeout_s, "trainer.dist_timeout_s", low=0, low_open=True)
+        if self.launcher not in ("local", "ray"):
+            raise ConfigError(f"trainer.launcher={self.launcher!r}: use local or ray")
+        if self.ray_placement not in ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"):
+            raise ConfigError(f"trainer.ray_placement={self.ray_placement!r}: use PACK, SPREAD, STRICT_SPREAD "
+                              "or STRICT_PACK")
         check_number(self.max_nonfinite_steps, "trainer.max_nonfinite_steps", low=1)
         name = self.run_name
         if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("~"):
@@ -209,6 +225,15 @@ class Config:
         if self.rollout.temperature == 0 and self.rollout.n > 1:
             raise ConfigError("rollout.temperature=0 makes all rollout.n samples of a prompt identical "
                               "(zero advantage); use a temperature > 0")
+        ranks = self.trainer.num_workers if self.trainer.launcher == "ray" else self.trainer.nproc_per_node
+        if ranks > 1:
+            if self.trainer.prompts_per_step % ranks or self.trainer.mini_batch_size % ranks:
+                raise ConfigError(f"trainer.prompts_per_step={self.trainer.prompts_per_step} and "
+                                  f"trainer.mini_batch_size={self.trainer.mini_batch_size} must split evenly over "
+                                  f"{ranks} ranks (whole prompt groups per rank); use multiples of {ranks}")
+            if self.algo.dapo.refill_rounds:
+                raise ConfigError("algo.dapo.refill_rounds > 0 is single-process only for now (ranks would refill "
+                                  "different numbers of rounds); set it to 0 with several ranks")
         if not self.data.train_files and self.trainer.prompts_per_step > self.data.train_size:
             raise ConfigError(f"trainer.prompts_per_step={self.trainer.prompts_per_step} exceeds "
                               f"data.train_size={self.data.train_size}; lower it or add prompts")

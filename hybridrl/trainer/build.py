@@ -6,6 +6,7 @@ Each component receives its own config object (``algo.policy_loss``, ``algo.kl``
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridrl.config import Config
+from hybridrl.distributed.context import DistContext
 from hybridrl.trainer.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
@@ -47,21 +49,27 @@ class Run:
         return f"{c.model_type}, {n / 1e6:.2f}M params, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
 
 
-def build_run(cfg: Config, console: Console | None = None) -> Run:
-    """Data, model, reward, run directory (locked), then the components (``_build``)."""
+def build_run(cfg: Config, console: Console | None = None, dp: DistContext | None = None) -> Run:
+    """Data, model, reward, run directory (locked), then the components (``_build``).
+
+    ``dp``: this rank of a data-parallel job; every rank builds the same model and data
+    (same seeds) and its own engine; only rank 0 owns the run directory and its logs."""
     from hybridrl.rewards import RewardRunner
     from hybridrl.trainer.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
 
+    main = dp is None or dp.is_main
     if console is None:
         from tqdm.auto import tqdm
 
-        console = tqdm.write  # prints above an active progress bar instead of through it
+        console = tqdm.write if main else (lambda line: None)  # tqdm.write prints above an active bar
     t, m, a, r = cfg.trainer, cfg.model, cfg.algo, cfg.rollout
     if t.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"trainer.device={t.device}: this torch build sees no CUDA device "
                          f"(torch {torch.__version__}); use trainer.device=cpu or install a CUDA build of torch")
     if t.threads > 0:
         torch.set_num_threads(t.threads)
+    elif dp is not None:  # ranks on one host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     torch.manual_seed(t.seed)
     dtype = DTYPES[m.dtype]
     if m.path:
@@ -72,7 +80,8 @@ def build_run(cfg: Config, console: Console | None = None) -> Run:
                               num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
                               intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
                               seed=t.seed, dtype=dtype)
-    model.to(t.device)
+    device = dp.device if dp is not None else torch.device(t.device)
+    model.to(device)
     sft = None
     if cfg.data.train_files:
         train_set, eval_set = _file_data(cfg, tokenizer, console)
@@ -84,20 +93,45 @@ def build_run(cfg: Config, console: Console | None = None) -> Run:
     rw = cfg.reward
     runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward)
     try:
-        directory = open_run_dir(t.output_dir, t.run_name, t.resume)
+        directory = _open_dir(cfg, dp)
     except BaseException:
         runner.close()
         raise
     try:
-        return _build(cfg, console, directory, model, tokenizer, runner, train_set, eval_set, sft, dtype)
+        return _build(cfg, console, directory, model, tokenizer, runner, train_set, eval_set, sft, dtype, device, dp)
     except BaseException:
         directory.close()
         runner.close()
         raise
 
 
+def _open_dir(cfg: Config, dp: DistContext | None) -> RunDir:
+    """Rank 0 opens (and locks) the run directory; with several ranks it tells the others
+    whether the run resumes, so every rank takes the same path (or raises the same error)."""
+    t = cfg.trainer
+    if dp is None:
+        return open_run_dir(t.output_dir, t.run_name, t.resume)
+    import torch.distributed as dist
+
+    directory, error = None, None
+    if dp.is_main:
+        try:
+            directory = open_run_dir(t.output_dir, t.run_name, t.resume)
+            if directory.resume_from is not None:
+                directory.close()
+                error = (f"run directory {directory.path} holds a checkpoint, but resuming a {dp.world_size}-rank "
+                         "run is not supported yet; choose another trainer.run_name")
+        except ValueError as e:
+            error = str(e)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
+    return directory if directory is not None else RunDir(Path(t.output_dir).resolve() / t.run_name, None, -1)
+
+
 def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, runner, train_set: PromptSet,
-           eval_set: PromptSet, sft, dtype: torch.dtype) -> Run:
+           eval_set: PromptSet, sft, dtype: torch.dtype, device: torch.device, dp: DistContext | None) -> Run:
     from hybridrl.rollout import RolloutEngine, SamplingParams
     from hybridrl.trainer.actor import Actor
     from hybridrl.trainer.rollout_worker import RolloutWorker
@@ -106,8 +140,9 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
 
     t, a, r = cfg.trainer, cfg.algo, cfg.rollout
     max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
-    engine = RolloutEngine(model.config, max_batch_size=min(t.prompts_per_step * r.n, 256),
-                           max_seq_len=max_prompt + r.max_tokens, dtype=dtype, device=t.device,
+    ranks = dp.world_size if dp is not None else 1
+    engine = RolloutEngine(model.config, max_batch_size=min(t.prompts_per_step * r.n // ranks, 256),
+                           max_seq_len=max_prompt + r.max_tokens, dtype=dtype, device=device,
                            quantization=r.quantization, enforce_eager=r.enforce_eager)
     actor = Actor(model, optim=cfg.optim, policy_loss=a.policy_loss, kl=a.kl, loss_agg_mode=a.loss_agg_mode,
                   temperature=r.temperature, loss_scale_factor=float(r.max_tokens),
@@ -115,27 +150,29 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
     eos = tokenizer.eos_token_id
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
                               stop_token_ids=(eos,) if eos is not None else (), n=r.n)
-    rollout = RolloutWorker(engine, sampling, device=torch.device(t.device), bucket_bytes=t.refit_bucket_mb << 20,
+    rollout = RolloutWorker(engine, sampling, device=device, bucket_bytes=t.refit_bucket_mb << 20,
                             verify_refit=t.refit_verify)
     generator = torch.Generator().manual_seed(t.seed)
     rollout.refit(model)  # first load = the refit path
-    critic = _critic(cfg, model.config, dtype) if a.advantage.estimator == "gae" else None
+    critic = _critic(cfg, model.config, dtype, device) if a.advantage.estimator == "gae" else None
     shape = BatchShape(prompts_per_step=t.prompts_per_step, samples_per_prompt=r.n,
                        mini_batch_size=t.mini_batch_size, epochs=t.ppo_epochs, max_response_tokens=r.max_tokens)
     step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
                   train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator)
+    step.dp = dp
     resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
-    log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after)
+    log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
+                     write=dp is None or dp.is_main)
     return Run(cfg=cfg, run_dir=directory.path, directory=directory, tokenizer=tokenizer, step=step,
                eval_set=eval_set, sft_pairs=sft, log=log, console=console)
 
 
-def _critic(cfg: Config, hf_config, dtype: torch.dtype):
+def _critic(cfg: Config, hf_config, dtype: torch.dtype, device: torch.device):
     from hybridrl.trainer.critic import Critic
     from hybridrl.trainer.value_model import ValueModel
 
     t = cfg.trainer
-    model = ValueModel.from_config(hf_config, dtype=dtype, seed=t.seed).to(t.device)
+    model = ValueModel.from_config(hf_config, dtype=dtype, seed=t.seed).to(device)
     return Critic(model, optim=cfg.optim, value=cfg.algo.value, loss_agg_mode=cfg.algo.loss_agg_mode,
                   loss_scale_factor=float(cfg.rollout.max_tokens), max_tokens_per_microbatch=t.max_tokens_per_microbatch)
 

@@ -8,6 +8,7 @@ import torch
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches
 from hybridrl.config import OptimConfig, ValueConfig
+from hybridrl.trainer.actor import scalar
 from hybridrl.trainer.value_model import ValueModel
 
 
@@ -25,7 +26,13 @@ class Critic:
         self.loss_agg_mode, self.loss_scale_factor = loss_agg_mode, loss_scale_factor
         self.grad_clip = optim.grad_clip
         self.max_tokens = max_tokens_per_microbatch
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.critic_lr, betas=tuple(optim.betas))
+        self._optim = optim
+        self.reset_optimizer()
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW over the model's current parameters (after FSDP2 sharding)."""
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self._optim.critic_lr,
+                                           betas=tuple(self._optim.betas))
 
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -59,6 +66,6 @@ class Critic:
             loss.backward()
             total += float(loss.detach())
             clipfrac += float(m["vf_clipfrac"]) * len(rows) / len(lengths)
-        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        gn = scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         self.optimizer.step()
-        return {"critic/vf_loss": total, "critic/grad_norm": float(gn), "critic/vf_clipfrac": clipfrac}
+        return {"critic/vf_loss": total, "critic/grad_norm": gn, "critic/vf_clipfrac": clipfrac}

@@ -199,6 +199,21 @@ def compute_logprobs_entropy(
         softmax(logits[b, t-1] / T)[input_ids[b, t]]`` where ``response_mask[b, t]``,
         0 elsewhere; entropy of that same distribution. Differentiable under grad.
     """
+    routed = getattr(model, FSDP_ROUTE, None)
+    if routed is not None:  # FSDP2-sharded: through a registered forward method (see distributed/fsdp.py)
+        return routed(input_ids, attention_mask, response_mask, temperature=temperature, packed=packed,
+                      vocab_chunk_tokens=vocab_chunk_tokens, compute_entropy=compute_entropy,
+                      max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend)
+    return _logprobs_entropy(model, input_ids, attention_mask, response_mask, temperature=temperature,
+                             packed=packed, vocab_chunk_tokens=vocab_chunk_tokens, compute_entropy=compute_entropy,
+                             max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend)
+
+
+FSDP_ROUTE = "hybridrl_fsdp_logprobs_entropy"
+
+
+def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, temperature, packed, vocab_chunk_tokens,
+                      compute_entropy, max_tokens_per_microbatch, attn_backend):
     if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
         raise ValueError(
             "compute_logprobs_entropy: input_ids, attention_mask and response_mask must share shape [B, L], got "

@@ -59,6 +59,10 @@ def warm_start(run: Run, cfg: Config) -> None:
         loss, _ = sft_step(model, opt, ids, mask, labels, cfg.optim.grad_clip)
         sched.step()
         bar.set_postfix(loss=f"{loss:.3f}")
+    if run.step.dp is not None:  # every rank ran the same steps; make them bitwise one model
+        from hybridrl.distributed.context import broadcast_module_
+
+        broadcast_module_(model)
     run.step.rollout.refit(model)
 
 
@@ -67,8 +71,11 @@ def train(cfg: Config) -> TrainResult:
 
     With ``trainer.resume=auto`` an interrupted run continues from its latest checkpoint
     and ends bit-identical to an uninterrupted one (CPU, float32, one thread)."""
+    from hybridrl.distributed.context import init_from_env, launched_distributed
+
     t_start = time.perf_counter()
-    run = build_run(cfg)
+    dp = init_from_env(cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s) if launched_distributed() else None
+    run = build_run(cfg) if dp is None else build_run(cfg, dp=dp)
     try:
         return _train(run, cfg, t_start)
     finally:
@@ -88,6 +95,8 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
     if run.directory.resume_from is None:
         warm_start(run, cfg)
         _attach_reference(run, cfg)
+        if run.step.dp is not None:
+            shard_for_data_parallel(run)
         warm_acc = evaluate(run)
         run.console(f"eval after warm start: accuracy {warm_acc:.3f}")
         run.log.log(0, {"eval/accuracy": warm_acc})
@@ -101,12 +110,13 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
                              "another trainer.run_name")
         run.console(f"resumed from {run.directory.resume_from} at step {loop.step}")
     estimator = cfg.algo.advantage.estimator
+    main = run.step.dp is None or run.step.dp.is_main
     bar = progress_bar(range(loop.step + 1, cfg.trainer.total_steps + 1), initial=loop.step,
                        total=cfg.trainer.total_steps, desc="GRPO" if estimator == "grpo" else estimator,
-                       enabled=cfg.logging.progress)
+                       enabled=cfg.logging.progress and main)
     with InterruptFlag() as interrupt:
         _rl_phase(run, cfg, bar, rng, loop, interrupt)
-    if cfg.logging.plot:
+    if cfg.logging.plot and main:
         plot_curves(run.log.rows, run_dir / "curves.png", warm_start_accuracy=loop.warm_start_accuracy)
     if cfg.trainer.save_checkpoint:
         _save_final(run, cfg, loop, rng)
@@ -124,8 +134,34 @@ def _attach_reference(run: Run, cfg: Config) -> None:
             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch))
 
 
-def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path:
-    """A full training checkpoint (HF policy + everything a resume needs), atomically."""
+def shard_for_data_parallel(run: Run) -> None:
+    """After the warm start: FSDP2-shard the actor (and reference, critic), give them fresh
+    optimizers over the shards (nothing is lost: RL has not stepped yet), and refit from
+    now on by gathering bucket by bucket."""
+    from hybridrl.distributed.fsdp import shard_model
+    from hybridrl.distributed.refit import refit_sharded
+
+    from hybridrl.trainer import forward, shared_prefix
+
+    routes = {forward.FSDP_ROUTE: forward._logprobs_entropy, shared_prefix.FSDP_ROUTE: shared_prefix._shared_prefix}
+    step = run.step
+    shard_model(step.actor.model, routes)
+    step.actor.reset_optimizer()
+    if step.reference is not None:
+        shard_model(step.reference.model, routes)
+    if step.critic is not None:
+        shard_model(step.critic.model)
+        step.critic.reset_optimizer()
+    step.rollout.refit_impl = refit_sharded
+
+
+def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
+    """A full training checkpoint (HF policy + everything a resume needs), atomically.
+    Data parallel: every rank takes part in gathering; rank 0 writes (returns None elsewhere)."""
+    if run.step.dp is not None:
+        from hybridrl.distributed.checkpoint import save_data_parallel
+
+        return save_data_parallel(run, cfg, loop.step, config_to_yaml(cfg))
     from hybridrl.trainer.checkpoint import save_step_dir, write_hf
     from hybridrl.trainer.train_state import write_training_state
 
@@ -156,6 +192,20 @@ def _save_final(run: Run, cfg: Config, loop, rng: random.Random) -> Path:
         raise CheckpointWriteError(f"{e}; {where}") from None
 
 
+def _interrupted(run: Run, interrupt: InterruptFlag) -> bool:
+    """Whether any rank got SIGINT/SIGTERM (ranks agree, so they all save at the same step)."""
+    if run.step.dp is None:
+        return interrupt.signum is not None
+    import torch.distributed as dist
+
+    from hybridrl.distributed.context import comm_device
+
+    flag = torch.tensor([0 if interrupt.signum is None else interrupt.signum], device=comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    interrupt.signum = int(flag.item()) or None
+    return interrupt.signum is not None
+
+
 def _rl_phase(run: Run, cfg: Config, bar, rng: random.Random, loop, interrupt: InterruptFlag) -> None:
     """The RL steps with periodic eval and checkpoints; updates ``loop`` as it goes."""
     t = cfg.trainer
@@ -176,7 +226,7 @@ def _rl_phase(run: Run, cfg: Config, bar, rng: random.Random, loop, interrupt: I
             raise ValueError(f"{loop.nonfinite_streak} consecutive steps had a non-finite loss or gradient (last at "
                              f"step {step}); stopping. Last good checkpoint: {good}; lower optim.lr or check the "
                              "reward scale")
-        if interrupt.signum is not None:
+        if _interrupted(run, interrupt):
             path = save(run, cfg, loop, rng) if t.save_checkpoint else None
             where = f"checkpoint {path}; continue with trainer.resume=auto" if path else "no checkpoint (saving off)"
             raise TrainingInterrupted(f"interrupted at step {step}: {where}", interrupt.signum)

@@ -13,10 +13,14 @@ class MetricsLog:
     rows of steps after N (work lost with the interrupted run) are dropped from the file,
     atomically, and TensorBoard purges its events after step N."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_after: int | None = None):
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_after: int | None = None,
+                 write: bool = True):
         self.run_dir = run_dir
         path = run_dir / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
+        self.jsonl, self.tb = None, None
+        if not write:  # data-parallel ranks other than 0 keep their rows in memory only
+            return
         if resume_after is not None and path.exists():
             self.rows = [r for r in _read_rows(path) if r.get("step", 0) <= resume_after]
             tmp = path.with_name(".metrics.jsonl.tmp")
@@ -36,15 +40,17 @@ class MetricsLog:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.rows.append(row)
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -17,6 +17,7 @@ import torch
 
 from hybridrl import algos
 from hybridrl.config import AlgoConfig
+from hybridrl.distributed.context import DistContext
 from hybridrl.trainer.actor import Actor
 from hybridrl.trainer.critic import Critic
 from hybridrl.trainer.prompts import PromptSet
@@ -55,6 +56,7 @@ class RLStep:
         self.generator = generator  # mini-batch shuffling
         self.reference: Reference | None = None
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
+        self.dp: DistContext | None = None  # data parallel: this rank's share of every batch
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -101,7 +103,25 @@ class RLStep:
             self.rollout.refit(self.actor.model)
         metrics.update(step_metrics(sb, timer))
         metrics["refit/weight_version"] = self.rollout.version
+        if self.dp is not None:
+            metrics = self._global_metrics(metrics, sb)
         return metrics
+
+    def _global_metrics(self, metrics: dict[str, float], sb: StepBatch) -> dict[str, float]:
+        """Every rank's metrics averaged (equal rows per rank; losses are already global-batch
+        normalized times dp_size, so their mean is the global loss); reward std over all rows."""
+        import torch.distributed as dist
+
+        from hybridrl.distributed.context import all_gather_floats, all_reduce_metrics
+
+        keys: list[tuple[str, ...]] = [()] * self.dp.world_size
+        dist.all_gather_object(keys, tuple(sorted(metrics)))
+        if len(set(keys)) != 1:
+            raise RuntimeError(f"ranks logged different metrics this step: {sorted(set(keys[0]) ^ set(keys[-1]))}")
+        everything = all_gather_floats(sb.raw_scores.float().cpu())
+        out = all_reduce_metrics(metrics, summed=frozenset())
+        out["reward/std"] = float(everything.std()) if everything.numel() > 1 else 0.0
+        return out
 
     # ---- phases -------------------------------------------------------------------------
     def sample(self, rng: random.Random) -> StepBatch:
@@ -112,6 +132,9 @@ class RLStep:
         """
         batch_idx = rng.sample(range(len(self.train_set)), self.shape.prompts_per_step)
         seeds = [rng.randrange(2**62) for _ in batch_idx]
+        if self.dp is not None:  # every rank draws the same batch and keeps its share of the groups
+            share = self.dp.shard(len(batch_idx))
+            batch_idx, seeds = batch_idx[share], seeds[share]
         ro = self.rollout.sample([self.train_set.prompts[i] for i in batch_idx], seeds)
         n = self.shape.samples_per_prompt
         return StepBatch.from_rollouts(batch_idx, [i for i in range(len(batch_idx)) for _ in range(n)], ro)
@@ -211,7 +234,8 @@ class RLStep:
         if len(keep) == 0:
             return metrics
         kept = {k: v[keep] for k, v in sb.tensors.items()}
-        metrics.update(self.actor.update(kept, mini_batch_size=min(self.shape.mini_batch_size, len(keep)),
+        ranks = self.dp.world_size if self.dp is not None else 1  # each rank steps on its share
+        metrics.update(self.actor.update(kept, mini_batch_size=min(self.shape.mini_batch_size // ranks, len(keep)),
                                          epochs=self.shape.epochs, generator=self.generator))
         if self.critic is not None:
             metrics.update(self.critic.update({**kept, "returns": sb.returns[keep], "values": sb.values[keep]}))

@@ -11,11 +11,15 @@ a word (on-policy today; an asynchronous trainer relaxes this to a staleness bou
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 from hybridrl.refit import RefitStats, refit_from_model
 from hybridrl.rollout import RolloutEngine, Rollouts, SamplingParams
+
+
+RefitFn = Callable[..., RefitStats]  # (engine, model, *, bucket_bytes, verify) -> RefitStats
 
 
 class StaleRolloutError(RuntimeError):
@@ -26,11 +30,12 @@ class RolloutWorker:
     """``engine`` plus the run's sampling settings; tensors come back on ``device``."""
 
     def __init__(self, engine: RolloutEngine, sampling: SamplingParams, *, device: torch.device,
-                 bucket_bytes: int, verify_refit: bool):
+                 bucket_bytes: int, verify_refit: bool, refit_impl: RefitFn = refit_from_model):
         self.engine = engine
         self.sampling = sampling  # n, temperature, top-k/p, max_tokens, stop ids (seed set per prompt)
         self.device = device
         self.bucket_bytes, self.verify_refit = bucket_bytes, verify_refit
+        self.refit_impl = refit_impl  # refit_from_model, or distributed.refit.refit_sharded under FSDP2
         self.expected_version: int | None = None  # the version the last refit produced
         # Versions are logical: engine version + offset. A resumed run continues the
         # numbering of the run it resumes (a fresh engine starts at 0).
@@ -43,7 +48,7 @@ class RolloutWorker:
 
     def refit(self, model: torch.nn.Module) -> RefitStats:
         """Write ``model``'s weights into the engine in place (the refit protocol)."""
-        stats = refit_from_model(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit)
+        stats = self.refit_impl(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit)
         self.expected_version = self.version
         return stats
 

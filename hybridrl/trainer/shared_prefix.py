@@ -22,6 +22,19 @@ from hybridrl.trainer.forward import _backbone, chunked_logprobs_entropy
 def shared_prefix_logprobs_entropy(model, input_ids, attention_mask, response_mask, prompt_len, group, *,
                                    temperature: float = 1.0, vocab_chunk_tokens: int = 1024):
     """``(logprobs, entropy)`` ``[B, L]`` float32, zeros outside ``response_mask``."""
+    routed = getattr(model, FSDP_ROUTE, None)
+    if routed is not None:  # FSDP2-sharded: through a registered forward method (see distributed/fsdp.py)
+        return routed(input_ids, attention_mask, response_mask, prompt_len, group, temperature=temperature,
+                      vocab_chunk_tokens=vocab_chunk_tokens)
+    return _shared_prefix(model, input_ids, attention_mask, response_mask, prompt_len, group,
+                          temperature=temperature, vocab_chunk_tokens=vocab_chunk_tokens)
+
+
+FSDP_ROUTE = "hybridrl_fsdp_shared_prefix"
+
+
+def _shared_prefix(model, input_ids, attention_mask, response_mask, prompt_len, group, *, temperature,
+                   vocab_chunk_tokens):
     B, L = input_ids.shape
     dev = input_ids.device
     _, first = _first_row_of_each_group(group)  # (G,) row holding each group's prompt

@@ -1,0 +1,111 @@
+"""Checkpoints of a data-parallel (FSDP2) run.
+
+- ``dcp/``: the sharded training state (policy, optimizer; critic and its optimizer) via
+  ``torch.distributed.checkpoint``: each rank writes its shards; it loads into any number
+  of ranks (resharding), one process included (:func:`load_dcp`).
+- The Hugging Face export beside it is written by rank 0 from parameters gathered bucket
+  by bucket (one bucket of full tensors held at a time, never the whole model).
+
+Both land in one atomic step directory (``trainer/checkpoint.py``): the DCP shards are
+written to a staging directory every rank can see, then rank 0 moves them into the step
+directory it publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from hybridrl.distributed.fsdp import iter_full_parameters
+
+DCP_DIR = "dcp"
+EXPORT_BUCKET_BYTES = 256 << 20
+
+
+def save_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Every rank writes its shards of ``model`` (and ``optimizer``) under ``path``."""
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a DCP checkpoint into ``model`` (sharded or not, any world size) in place."""
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
+
+
+def export_hf(model: torch.nn.Module, directory: Path | None, *, bucket_bytes: int = EXPORT_BUCKET_BYTES) -> None:
+    """Gather ``model``'s parameters bucket by bucket; rank 0 (``directory`` not None) writes
+    them as safetensors shards + index, HF layout. Every rank must call this together."""
+    from safetensors.torch import save_file
+
+    files: dict[str, str] = {}
+    bucket: dict[str, torch.Tensor] = {}
+    size, total, n = 0, 0, 0
+
+    def flush() -> None:
+        nonlocal bucket, size, n
+        if bucket and directory is not None:
+            n += 1
+            name = f"model-{n:05d}.safetensors"
+            save_file({k: v.contiguous().cpu() for k, v in bucket.items()}, str(directory / name),
+                      metadata={"format": "pt"})
+            files.update({k: name for k in bucket})
+        bucket, size = {}, 0
+
+    for name, tensor in iter_full_parameters(model):
+        bucket[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        total += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            flush()
+    flush()
+    if directory is None:
+        return
+    if n == 1:  # one file: the plain single-file layout
+        (directory / "model-00001.safetensors").rename(directory / "model.safetensors")
+        return
+    index = {"metadata": {"total_size": total}, "weight_map": files}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def save_data_parallel(run, cfg, step: int, config_yaml: str) -> Path | None:
+    """A checkpoint of a data-parallel run (``run``: ``trainer.build.Run``); returns the
+    step directory on rank 0, None on the other ranks."""
+    from hybridrl.trainer.checkpoint import save_step_dir
+
+    dp, actor, critic = run.step.dp, run.step.actor, run.step.critic
+    staging = run.run_dir / "checkpoints" / f".dcp-staging-{step}"
+    if dp.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier()
+    save_dcp(staging / "policy", actor.model, actor.optimizer)
+    if critic is not None:
+        save_dcp(staging / "critic", critic.model, critic.optimizer)
+    dist.barrier()
+    if not dp.is_main:
+        export_hf(actor.model, None)
+        dist.barrier()
+        return None
+
+    def write(directory: Path) -> None:
+        export_hf(actor.model, directory)
+        actor.model.config.save_pretrained(directory)
+        run.tokenizer.save_pretrained(directory)
+        (directory / "hybridrl_config.yaml").write_text(config_yaml)
+        shutil.move(str(staging), str(directory / DCP_DIR))
+
+    try:
+        return save_step_dir(run.run_dir / "checkpoint", step, write, keep_last=cfg.trainer.keep_last)
+    finally:
+        dist.barrier()

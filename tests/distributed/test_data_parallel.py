@@ -1,0 +1,65 @@
+"""2 ranks (gloo, FSDP2, real processes) compute what 1 process computes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+        "model.num_key_value_heads=1", "model.intermediate_size=64", "rollout.n=4", "rollout.max_tokens=4",
+        "trainer.prompts_per_step=4", "trainer.sft_batch_size=8", "data.train_size=200", "data.eval_size=8",
+        "trainer.sft_steps=20", "trainer.total_steps=3", "trainer.eval_every=3", "trainer.threads=1",
+        "trainer.refit_verify=true", "trainer.save_every=0", "logging.tensorboard=false", "logging.plot=false",
+        "logging.progress=false"]
+CASES = {
+    "grpo_token_mean": [],
+    "grpo_seq_mean_token_mean_kl": ["algo.loss_agg_mode=seq-mean-token-mean", "algo.kl.coef=0.05"],
+    "gae_critic": ["algo.advantage.estimator=gae", "algo.kl.coef=0.02", "algo.kl.use_loss=false"],
+}
+LOSSES = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
+
+
+def train_subprocess(out: Path, name: str, extra: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hybridrl", "train", *TINY, *extra, f"trainer.output_dir={out}",
+           f"trainer.run_name={name}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "checkpoint" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_equal_one_process(tmp_path, case):
+    one = train_subprocess(tmp_path, "one", CASES[case])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = train_subprocess(tmp_path, "two", CASES[case] + ["trainer.nproc_per_node=2"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    compared = 0
+    for ra, rb in zip(a, b):
+        assert ra.get("rollout/weight_version") == rb.get("rollout/weight_version")
+        assert ra.get("reward/mean") == rb.get("reward/mean")  # the same rollouts were sampled
+        for key in LOSSES:
+            if key in ra:
+                torch.testing.assert_close(rb[key], ra[key], rtol=1e-5, atol=1e-7, msg=f"step {ra['step']} {key}")
+                compared += 1
+    assert compared >= 6
+    wa, wb = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=k)
