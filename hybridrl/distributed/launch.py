@@ -44,6 +44,10 @@ def launch_local(cfg, *, nproc: int) -> None:
 
     from hybridrl.config_io import config_to_yaml
 
+    import logging
+
+    # the agent logs every failed rank's traceback; the user gets the one line below instead
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     error_dir = tempfile.mkdtemp(prefix="hybridrl-ranks-")
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"hybridrl-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5,
@@ -59,8 +63,9 @@ def launch_local(cfg, *, nproc: int) -> None:
 
 
 def first_rank_error(error_dir: str, err: Exception) -> str:
-    """The lowest rank's recorded one-line error, else the launcher's exit-code summary."""
-    recorded = sorted(Path(error_dir).glob("rank*"))
+    """The first recorded one-line error (the root cause: the others are ranks that lost
+    their peer), else the launcher's exit-code summary."""
+    recorded = sorted(Path(error_dir).glob("rank*"), key=lambda p: (p.stat().st_mtime_ns, p.name))
     if recorded:
         return f"{recorded[0].name.replace('rank', 'rank ')} failed: {recorded[0].read_text()}"
     failures = getattr(err, "failures", {}) or {}
