@@ -65,6 +65,40 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from hybridrl.config_io import load_config
+    from hybridrl.distributed.plan import plan_memory, shape_config
+    from hybridrl.trainer.model_factory import DTYPES
+
+    cfg = load_config(args.config, args.overrides)
+    t, r = cfg.trainer, cfg.rollout
+    if args.shape:
+        hf_config = shape_config(args.shape)
+    elif cfg.model.path:
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.path={cfg.model.path}: no readable config.json ({type(e).__name__}); "
+                             "point it at a local Hugging Face checkpoint directory") from None
+    else:
+        from hybridrl.trainer.model_factory import builtin_model, builtin_tokenizer
+
+        m = cfg.model
+        hf_config = builtin_model(builtin_tokenizer(), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+                                  num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+                                  intermediate_size=m.intermediate_size,
+                                  tie_word_embeddings=m.tie_word_embeddings).config
+    world = t.nnodes * (t.num_workers if t.launcher == "ray" else t.nproc_per_node)
+    dtype = DTYPES[cfg.model.dtype]
+    plan = plan_memory(hf_config, world_size=world, trainer_dtype=dtype, engine_dtype=dtype,
+                       quantization=r.quantization, batch=min(t.prompts_per_step * r.n // world or 1, 256),
+                       seq_len=cfg.data.max_prompt_length + r.max_tokens, bucket_bytes=t.refit_bucket_mb << 20)
+    print(plan.table(args.device_gib))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hybridrl.config_io import help_text
 
@@ -77,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="YAML file with groups of keys")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200 algo.kl.coef=0")
         sp.set_defaults(fn=fn)
+    pl = sub.add_parser("plan", help="per-device memory of a (data-parallel) job, from the real sharding code",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="e.g. hybridrl plan --shape qwen2.5-7b trainer.nnodes=8 trainer.nproc_per_node=8 "
+                               "model.dtype=bfloat16 --device-gib 80")
+    pl.add_argument("--config", help="YAML file with groups of keys")
+    pl.add_argument("--shape", help="a built-in model shape instead of model.path: qwen2.5-0.5b | qwen2.5-7b | qwen2.5-32b")
+    pl.add_argument("--device-gib", type=float, default=None, help="device memory to check the plan against")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.nproc_per_node=8")
+    pl.set_defaults(fn=_plan)
     g = sub.add_parser("generate", help="sample from a local HF checkpoint with the built-in engine")
     g.add_argument("--model", required=True, help="local HF checkpoint directory")
     g.add_argument("--max-tokens", type=int, default=16)

@@ -148,7 +148,7 @@ def _apply_preset(tree: dict[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(algo, dict) or algo.get("preset") is None:
         return tree
     name = algo["preset"]
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"{source}: algo.preset={name!r} is unknown; {suggest(name, PRESETS)}")
     rollout = tree.get("rollout") if isinstance(tree.get("rollout"), dict) else {}
     max_tokens = rollout.get("max_tokens", RolloutConfig().max_tokens)
@@ -180,7 +180,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r}: expected group.key=value, e.g. trainer.total_steps=200")
         key, raw = item.split("=", 1)
         *groups, name = key.split(".")
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); "
+                              "quote it or fix the brackets") from None
         if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
             value = raw.strip()  # YAML 1.1 reads on/off/yes/no as booleans; keep the word (resume=off)
         node = tree
@@ -212,6 +216,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a UTF-8 text file; give a YAML config") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of groups ({', '.join(GROUPS)})")
         source = str(p)
     tree = _merge(tree, parse_overrides(overrides or []))
     return build_config(tree, source=source)

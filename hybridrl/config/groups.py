@@ -75,11 +75,14 @@ class RewardConfig:
     timeout_s: float = _f(10.0, "a reward call running longer scores failure_reward and is counted as a failure")
     workers: int = _f(4, "worker processes for user (untrusted) reward functions")
     failure_reward: float = _f(0.0, "score of a sample whose reward call failed (raised, hung, bad value)")
+    memory_limit_mb: int | None = _f(None, "cap each reward worker's data memory (MB); a sample exceeding it fails; "
+                                           "null = no limit")
 
     def __post_init__(self) -> None:
         check_number(self.timeout_s, "reward.timeout_s", low=0, low_open=True)
         check_number(self.workers, "reward.workers", low=1)
         check_number(self.failure_reward, "reward.failure_reward")
+        check_number(self.memory_limit_mb, "reward.memory_limit_mb", low=1)
         if isinstance(self.functions, list) and not self.functions:
             raise ConfigError("reward.functions=[]: give a reward name or at least one {name, weight} entry")
 
@@ -152,6 +155,7 @@ class TrainerConfig:
     resume: str = _f("auto", "auto: continue the run in run_dir from its latest checkpoint (a new run when the "
                              "directory is new) | off: refuse an existing run directory | PATH: a checkpoint dir")
     max_nonfinite_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss/gradient")
+    nnodes: int = _f(1, "hosts of a multi-host job (torchrun --nnodes; used by `hybridrl plan`)")
     nproc_per_node: int = _f(1, "data-parallel ranks to start on this host (FSDP2; gloo on CPU, NCCL on CUDA); "
                                 "also set by torchrun")
     launcher: str = _f("local", "local (torch's elastic launcher / torchrun) | ray (Ray actors in a placement group)")
@@ -177,6 +181,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
         check_number(self.keep_last, "trainer.keep_last", low=1)
         check_number(self.nproc_per_node, "trainer.nproc_per_node", low=1)
+        check_number(self.nnodes, "trainer.nnodes", low=1)
         check_number(self.num_workers, "trainer.num_workers", low=1)
         check_number(self.dist_timeout_s, "trainer.dist_timeout_s", low=0, low_open=True)
         if self.launcher not in ("local", "ray"):

@@ -2,7 +2,9 @@
 
 A row needs a prompt column (plain text, or a list of chat messages rendered with the
 tokenizer's chat template) and may have an answer column passed to the reward.
-Bad rows (missing prompt, wrong type, too long) are skipped and counted, never fatal.
+Bad rows (invalid UTF-8 or JSON, missing prompt, wrong type, too long) are skipped and
+counted by reason, with the ``file:line`` of each reason's first row, never fatal. A file
+that cannot be read at all (missing, unreadable, not parquet) is a one-line ValueError.
 """
 
 from __future__ import annotations
@@ -21,33 +23,69 @@ class PromptRecord:
     source: str  # "file:row" for error messages
 
 
+INVALID_UTF8 = "invalid UTF-8"
+UNPARSEABLE = "unparseable"
+
+
+class NoChatTemplate(ValueError):
+    """Chat-message prompts with a tokenizer that has no chat template: a setup problem,
+    not a bad row, so it stops the load."""
+
+
 @dataclass
 class LoadReport:
     loaded: int = 0
-    skipped: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows
+    first: dict[str, str] = field(default_factory=dict)  # reason -> "file:line" of its first row
     skipped_answer: int = 0  # rows kept without a ground truth (the reward sees None)
 
+    def skip(self, reason: str, source: str) -> None:
+        self.skipped[reason] += 1
+        self.first.setdefault(reason, source)
+
     def summary(self) -> str:
-        why = ", ".join(f"{n} {k}" for k, n in self.skipped.items()) or "none"
+        why = ", ".join(f"{n} {k} (first at {self.first[k]})" if k in self.first else f"{n} {k}"
+                        for k, n in self.skipped.items()) or "none"
         extra = f"; {self.skipped_answer} without an answer" if self.skipped_answer else ""
         return f"{self.loaded} prompts loaded, skipped: {why}{extra}"
 
 
+@dataclass(frozen=True)
+class _Unparsed:
+    """A jsonl line that is not a JSON value, and why."""
+
+    reason: str
+
+
+def _parse_line(raw: bytes, first: bool) -> Any:
+    """One jsonl line as its JSON value, or :class:`_Unparsed`."""
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")  # a BOM may open the file
+    except UnicodeDecodeError:
+        return _Unparsed(INVALID_UTF8)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; RecursionError: "[[[[..."
+        return _Unparsed(UNPARSEABLE)
+
+
 def _read_rows(path: Path):
+    """``(line or row number, row)``, where a jsonl line that did not parse is :class:`_Unparsed`."""
     if path.suffix in (".jsonl", ".json"):
-        with path.open() as f:
-            for i, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError:
-                    yield i, None
+        with path.open("rb") as f:  # bytes: one bad UTF-8 line must not abort the file
+            for i, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield i, _parse_line(raw, first=i == 1)
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, row
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - ArrowInvalid, OSError...: the whole file is unusable
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"data file {path}: cannot read it as parquet ({why}); "
+                             "check the file or export it again") from e
+        yield from enumerate(rows, start=1)
     else:
         raise ValueError(f"{path}: unsupported data file type {path.suffix!r}; use .jsonl or .parquet")
 
@@ -59,10 +97,12 @@ def render_prompt(tokenizer, prompt: Any) -> list[int] | None:
         if tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id] + ids
         return ids
-    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+    is_chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                         for m in prompt)
+    if is_chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat-message prompts need a tokenizer with a chat_template; "
-                             "add one to the checkpoint's tokenizer_config.json or use text prompts")
+            raise NoChatTemplate("chat-message prompts need a tokenizer with a chat_template; "
+                                 "add one to the checkpoint's tokenizer_config.json or use text prompts")
         out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)  # BatchEncoding in transformers 5
     return None
@@ -76,31 +116,44 @@ def load_prompt_files(files: list[str], tokenizer, *, prompt_key: str, answer_ke
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"data file {name}: not found; check data.train_files / data.val_files")
-        for row_no, row in _read_rows(path):
-            src = f"{name}:{row_no}"
-            if not isinstance(row, dict):
-                report.skipped["unparseable"] += 1
-                continue
-            if prompt_key not in row:
-                report.skipped[f"no '{prompt_key}' column"] += 1
-                continue
-            try:
-                ids = render_prompt(tokenizer, row[prompt_key])
-            except ValueError:
-                raise  # a setup problem (no chat template), not a bad row
-            except Exception:  # noqa: BLE001 - a malformed row is skipped and counted, never fatal
-                ids = None
-            if ids is None:
-                report.skipped["malformed prompt"] += 1
-                continue
-            if not ids or (tokenizer.bos_token_id is not None and ids == [tokenizer.bos_token_id]):
-                report.skipped["empty prompt"] += 1
-                continue
-            if len(ids) > max_prompt_length:
-                report.skipped["longer than data.max_prompt_length"] += 1
-                continue
-            if row.get(answer_key) is None:
-                report.skipped_answer += 1
-            records.append(PromptRecord(ids, row.get(answer_key), src))
-            report.loaded += 1
+        try:
+            for row_no, row in _read_rows(path):
+                _add_row(row, f"{name}:{row_no}", tokenizer, prompt_key, answer_key, max_prompt_length,
+                         records, report)
+        except OSError as e:  # unreadable (permissions, I/O error): the file, not a row
+            raise ValueError(f"data file {name}: cannot read it ({e.strerror or e}); "
+                             "check its permissions") from e
     return records, report
+
+
+def _add_row(row: Any, src: str, tokenizer, prompt_key: str, answer_key: str, max_prompt_length: int,
+             records: list[PromptRecord], report: LoadReport) -> None:
+    """Append ``row`` to ``records``, or count why it is skipped."""
+    if isinstance(row, _Unparsed):
+        report.skip(row.reason, src)
+        return
+    if not isinstance(row, dict):
+        report.skip(UNPARSEABLE, src)
+        return
+    if prompt_key not in row:
+        report.skip(f"no '{prompt_key}' column", src)
+        return
+    try:
+        ids = render_prompt(tokenizer, row[prompt_key])
+    except NoChatTemplate as e:
+        raise NoChatTemplate(f"{src}: {e}") from None  # a setup problem, not a bad row
+    except Exception:  # noqa: BLE001 - a malformed row is skipped and counted, never fatal
+        ids = None
+    if ids is None:
+        report.skip("malformed prompt", src)
+        return
+    if not ids or (tokenizer.bos_token_id is not None and ids == [tokenizer.bos_token_id]):
+        report.skip("empty prompt", src)
+        return
+    if len(ids) > max_prompt_length:
+        report.skip("longer than data.max_prompt_length", src)
+        return
+    if row.get(answer_key) is None:
+        report.skipped_answer += 1
+    records.append(PromptRecord(ids, row.get(answer_key), src))
+    report.loaded += 1

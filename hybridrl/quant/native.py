@@ -8,7 +8,12 @@ and give bitwise the same result (tested against the torch path).
 Build: the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``), no torch headers,
 well under a second; the shared library is cached under ``$HYBRIDRL_CACHE_DIR`` (default
 ``~/.cache/hybridrl``) keyed by the source, flags and CPU, written atomically so that
-concurrent processes never load a half-written file. Without a compiler, or with
+concurrent processes never load a half-written file. Loading a library runs its code, so
+a cached one is loaded only if it is ours and neither it nor its folder is writable by
+group or others (else anyone who can write there runs code in the trainer); new cache
+folders are made 0700. A foreign or writable file in a private folder is rebuilt in
+place; a folder that is not private is left alone and the kernels are built in a fresh
+private temporary folder for this process (warned once). Without a compiler, or with
 ``HYBRIDRL_NATIVE_KERNELS=0``, :func:`kernels` returns None and callers use the torch
 path (same results, slower); the reason is logged once.
 
@@ -25,6 +30,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -56,6 +62,36 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _is_private(st: os.stat_result) -> bool:
+    """Ours, and no one else can write to it."""
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _private_folder(folder: Path) -> bool:
+    """Make ``folder`` (and missing parents) 0700; True if it is ours and private."""
+    missing = []
+    for p in (folder, *folder.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:  # a concurrent process made it: checked below like any folder
+            pass
+    st = folder.stat()
+    return stat.S_ISDIR(st.st_mode) and _is_private(st)
+
+
+def _loadable(target: Path) -> bool:
+    """A regular file (not a symlink) that is ours and private."""
+    try:
+        st = target.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and _is_private(st)
+
+
 def _cpu_id() -> str:
     """What -march=native depends on: a library built for one CPU may not run on another."""
     try:
@@ -76,7 +112,6 @@ def _compiler() -> str | None:
 
 def _build(cc: str, target: Path) -> None:
     """Compile SOURCE to ``target`` atomically (temp file in the same folder, then rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -84,7 +119,7 @@ def _build(cc: str, target: Path) -> None:
             proc = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True,
                                   timeout=COMPILE_TIMEOUT_S)
             if proc.returncode == 0:
-                os.chmod(tmp, 0o755)  # mkstemp makes 0600: others sharing the cache could not load it
+                os.chmod(tmp, 0o755)  # as any shared library: readable, never writable by others
                 os.replace(tmp, target)
                 return
         raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"{cc} failed")
@@ -108,13 +143,7 @@ def kernels() -> ctypes.CDLL | None:
     ).hexdigest()[:16]
     target = _cache_dir() / f"fp8_kernels-{key}.so"
     try:
-        if not target.exists():
-            _build(cc, target)
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError:  # unloadable cached file (e.g. truncated by a full disk): rebuild once
-            _build(cc, target)
-            lib = ctypes.CDLL(str(target))
+        lib = _load(cc, target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("hybridrl: building the FP8 CPU kernels failed (%s); using the slower torch path", err)
         return None
@@ -122,6 +151,26 @@ def kernels() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     return lib
+
+
+def _load(cc: str, target: Path) -> ctypes.CDLL:
+    """The cached library at ``target`` (built or rebuilt there as needed), or, when its
+    folder is not private, one built in a temporary private folder."""
+    if not _private_folder(target.parent):
+        log.warning("hybridrl: the kernel cache %s is not private (writable by group/others, or not yours); "
+                    "building the FP8 kernels in a private temporary folder instead (chmod 700 it, or set "
+                    "HYBRIDRL_CACHE_DIR to a folder of your own)", target.parent)
+        with tempfile.TemporaryDirectory(prefix="hybridrl-kernels-") as folder:  # mkdtemp: 0700
+            private = Path(folder) / target.name
+            _build(cc, private)
+            return ctypes.CDLL(str(private))  # the mapping outlives the file
+    if not _loadable(target):  # missing, or planted / made writable by someone else
+        _build(cc, target)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError:  # unloadable cached file (e.g. truncated by a full disk): rebuild once
+        _build(cc, target)
+        return ctypes.CDLL(str(target))
 
 
 @functools.cache

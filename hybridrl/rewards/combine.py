@@ -49,7 +49,7 @@ class CombinedReward:
         for (label, _, weight), outcomes in zip(self.parts, per_part):
             outcome = outcomes[i]
             if outcome.failure is not None:
-                return RewardFailure(f"{label}: {outcome.failure}")
+                return RewardFailure(f"{label}: {outcome.failure}", f"{label}: {outcome.detail}")
             result["score"] += weight * outcome.score
             result[label] = outcome.score
             for key, value in (outcome.extras or {}).items():

@@ -14,6 +14,10 @@ worker runs ``python -c <boot>`` and imports only what the function needs; it ge
 trainer's ``sys.path`` so that what imports in the trainer imports in the worker (what
 runs inside a worker, and how the function travels: ``worker.py``).
 
+A worker's stdout and stderr go to ``output`` (a log file, appended to) or, by default,
+to /dev/null: a reward that prints per sample must not flood the trainer's console. An
+optional ``memory_limit_mb`` caps each worker's data memory (``worker.py``).
+
 Startup is paid once: workers persist across ``map`` calls until ``close()``, garbage
 collection or interpreter exit; on Linux the kernel also kills them if the trainer dies.
 Each worker has its own socket, so killing one never corrupts a queue others share, and a
@@ -26,6 +30,7 @@ back to the queue.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,15 +48,16 @@ STARTUP_TIMEOUT_S = 120.0  # loading a reward may import sympy & co. on a loaded
 MAX_CHUNK = 64  # calls per message: amortizes IPC without starving other workers
 CHUNKS_PER_WORKER = 4  # smaller chunks near the end of a batch balance the load
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding hybridrl/
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from hybridrl.rewards.worker import worker_boot; worker_boot(int(sys.argv[2]), int(sys.argv[3]))")
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from hybridrl.rewards.worker import worker_boot; "
+         "worker_boot(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))")
 
 
 @dataclass(frozen=True)
 class Lost:
-    """A call that produced no result: ``reason`` is TIMEOUT or WORKER_DIED."""
+    """A call that produced no result: ``reason`` is TIMEOUT or WORKER_DIED; ``detail`` says more."""
 
     reason: str
+    detail: str = ""
 
 
 class _Worker:
@@ -92,9 +98,12 @@ class ProcessPool:
     ``calls`` (in order), or :class:`Lost` for a call that timed out or whose worker
     died. Not thread-safe: one ``map`` at a time, from a long-lived thread."""
 
-    def __init__(self, payload: bytes, *, workers: int, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+    def __init__(self, payload: bytes, *, workers: int, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 output: str | os.PathLike | None = None, memory_limit_mb: int | None = None):
         self._payload = payload
         self._startup_timeout_s = startup_timeout_s
+        self._output = output
+        self._memory_limit_mb = memory_limit_mb or 0  # 0: no limit
         self._workers: list[_Worker] = []
         # runs on close(), garbage collection or interpreter exit; holds no reference to self
         self._finalizer = weakref.finalize(self, _terminate, self._workers, os.getpid())
@@ -122,13 +131,21 @@ class ProcessPool:
 
     def _spawn(self) -> _Worker:
         ours, theirs = socket.socketpair()
-        with theirs:
+        with theirs, self._open_output() as out:
             process = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, _PACKAGE_ROOT, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                [sys.executable, "-c", _BOOT, _PACKAGE_ROOT, str(theirs.fileno()), str(os.getpid()),
+                 str(self._memory_limit_mb)],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         conn = Connection(ours.detach())
         conn.send((list(sys.path), self._payload))  # small: fits the socket buffer, never blocks
         return _Worker(process, conn)
+
+    def _open_output(self):
+        """Where a new worker's stdout and stderr go (the child keeps its own copy of the fd)."""
+        return open(self._output, "ab") if self._output is not None else open(os.devnull, "wb")
+
+    def _output_hint(self) -> str:
+        return f"its output is in {self._output}" if self._output is not None else "its output went to /dev/null"
 
     def _check_starting(self, worker: _Worker) -> None:
         """Raise when a worker still loading the function died or is taking too long."""
@@ -136,8 +153,8 @@ class ProcessPool:
             return
         if not worker.alive():
             _kill(worker)  # reaps it, for the exit code
-            raise RuntimeError(f"a reward worker exited (code {worker.process.returncode}) while loading the reward; "
-                               f"see its output above")
+            raise RuntimeError(f"a reward worker exited ({_exit_status(worker.process.returncode)}) while loading "
+                               f"the reward; {self._output_hint()}")
         if time.monotonic() - worker.spawned > self._startup_timeout_s:
             raise RuntimeError(f"a reward worker did not load the reward within {self._startup_timeout_s:.0f} s; "
                                f"check what importing it does")
@@ -161,15 +178,16 @@ class ProcessPool:
             worker.gone = True  # it exited (or was killed); the caller replaces it
         return answered
 
-    def _replace(self, worker: _Worker, reason: str, results: list, pending: deque) -> int:
+    def _replace(self, worker: _Worker, reason: str, results: list, pending: deque, detail: str = "") -> int:
         """Kill ``worker``; its running call (if any) is Lost, the rest of its chunk goes back
         to the front of the queue. Returns how many calls were lost (0 or 1)."""
+        _kill(worker)
         lost = 0
         if worker.calls:
-            results[worker.calls.popleft()] = Lost(reason)
+            detail = detail or f"the worker process {_exit_status(worker.process.returncode)}; {self._output_hint()}"
+            results[worker.calls.popleft()] = Lost(reason, detail)
             pending.extendleft(reversed(worker.calls))
             lost = 1
-        _kill(worker)
         self._workers[self._workers.index(worker)] = self._spawn()
         return lost
 
@@ -220,7 +238,17 @@ class ProcessPool:
                     self._check_starting(worker)  # raises: a replacement could not load
                 finished += self._replace(worker, WORKER_DIED, results, pending)
             elif worker.calls and time.monotonic() - worker.started > timeout_s:
-                finished += self._replace(worker, TIMEOUT, results, pending)
+                detail = f"no result within {timeout_s:g} s; the worker was killed and replaced"
+                finished += self._replace(worker, TIMEOUT, results, pending, detail)
             else:
                 self._check_starting(worker)
         return finished
+
+
+def _exit_status(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            pass
+    return f"exited with code {returncode}"

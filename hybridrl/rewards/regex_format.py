@@ -24,6 +24,8 @@ class FormatReward:
     hybridrl_label = "format"
 
     def __init__(self, pattern: str = R1_PATTERN):
+        if not isinstance(pattern, str):
+            raise ValueError(f"format reward: pattern={pattern!r} must be a string (a regular expression)")
         try:
             self.regex = re.compile(pattern, re.DOTALL)
         except re.error as e:

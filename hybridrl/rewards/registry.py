@@ -10,11 +10,13 @@ registered here and in the task modules; a user function is named as
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
 import inspect
 import re
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,20 +79,24 @@ def last_number(response: str, answer: Any, prompt: str = "") -> float:
 
 def _load_user_fn(spec: str, where: str) -> RewardFn:
     target, _, fn_name = spec.rpartition(":")
+    if not target or not fn_name:
+        raise ValueError(f"{where}={spec!r}: give path/to/file.py:fn or module:fn")
     if target.endswith(".py"):
         path = Path(target).resolve()
         if not path.is_file():
             raise ValueError(f"{where}={spec!r}: file {target} not found")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        with _import_errors(spec, where, target):
+            module_spec.loader.exec_module(module)
         # a module loaded from a file is not importable by name, so a worker process
         # re-loads it from this absolute path (see process_pool.py)
         worker_spec = f"{path}:{fn_name}"
     else:
         try:
-            module = importlib.import_module(target)
-        except ImportError as e:
+            with _import_errors(spec, where, target):
+                module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
             raise ValueError(f"{where}={spec!r}: cannot import {target} ({e}); check the module path") from None
         worker_spec = None  # importable by name: plain pickling re-imports it
     fn = getattr(module, fn_name, None)
@@ -99,6 +105,26 @@ def _load_user_fn(spec: str, where: str) -> RewardFn:
     if worker_spec is not None:
         fn.hybridrl_spec = worker_spec
     return fn
+
+
+@contextlib.contextmanager
+def _import_errors(spec: str, where: str, target: str):
+    """A reward module that fails to import (a syntax error, or raising at import time) is
+    one line naming the file and line, not a traceback through importlib."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if e.name and target.split(".")[0] == e.name.split(".")[0] and not target.endswith(".py"):
+            raise  # the module itself (or its package) is missing: the caller says so
+        raise ValueError(f"{where}={spec!r}: importing {target} failed: {e}; install it or fix the import") from e
+    except SyntaxError as e:  # IndentationError too
+        raise ValueError(f"{where}={spec!r}: {e.filename}:{e.lineno}: {type(e).__name__}: {e.msg}; "
+                         "fix the reward file") from e
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the module's top level raised
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{where}={spec!r}: importing {target} raised {type(e).__name__}: {why} "
+                         f"({frame.filename}:{frame.lineno}); fix the reward module") from e
 
 
 def _unknown(name: str, where: str) -> ValueError:
@@ -119,10 +145,13 @@ def get_reward_fn(name: str, *, where: str = "reward.functions", **options: Any)
                 raise ValueError(f"{where}={name!r} takes no options; remove {', '.join(sorted(options))}")
             raise _unknown(name, where)
         params = inspect.signature(factory).parameters
-        bad = sorted(set(options) - set(params))
+        bad = sorted(map(str, set(options) - set(params)))
         if bad:
             raise ValueError(f"{where}={name!r}: unknown option(s) {', '.join(bad)}; it accepts {', '.join(params)}")
-        return factory(**options)
+        try:
+            return factory(**options)
+        except ValueError as e:  # a bad option value: say which config entry it came from
+            raise ValueError(f"{where}={name!r}: {e}") from None
     if name in REWARD_FNS:
         return REWARD_FNS[name]
     if name in REWARD_FACTORIES:

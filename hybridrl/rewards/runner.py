@@ -10,21 +10,32 @@ which saves the process hop. Everything else runs in a persistent pool of worker
 processes (``process_pool.py``), which can kill a call that hangs even while holding the
 GIL. A batched reward (``fn.hybridrl_batched``) is called once per batch, the timeout
 applying to that whole call; if it fails, every sample of the batch fails.
+
+Failures are counted, and the first one of each reason in the runner's life is reported
+once, with its message and where it was raised (``first_errors``, and the ``report``
+callback: by default a ``logging`` warning), so a reward that raises on every sample
+says why once instead of a thousand times or never. Workers' stdout/stderr go to
+``worker_output`` (a file) or /dev/null; ``memory_limit_mb`` caps each worker's memory
+(a sample past it fails as "memory limit").
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from hybridrl.rewards.outcome import Outcome, call_batch, call_one, failed
 from hybridrl.rewards.process_pool import Lost, ProcessPool
 from hybridrl.rewards.registry import RewardFn, is_batched, is_trusted, reward_label
 from hybridrl.rewards.spec import build_reward
 from hybridrl.rewards.worker import dumps_for_worker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,25 +63,31 @@ class RewardRunner:
     ``"module:fn"``, or a list of ``{name, weight, ...}``). Call ``close()`` when done."""
 
     def __init__(self, fn: RewardFn | str | Sequence[Mapping[str, Any]], *, timeout_s: float = 10.0,
-                 workers: int = 4, failure_reward: float = 0.0):
+                 workers: int = 4, failure_reward: float = 0.0, memory_limit_mb: int | None = None,
+                 worker_output: str | os.PathLike | None = None, report: Callable[[str], None] | None = None):
         if not (_is_finite(timeout_s) and timeout_s > 0):  # NaN would switch the timeout off
             raise ValueError(f"reward.timeout_s={timeout_s!r}: must be a finite number of seconds > 0")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        if not (_is_int(workers) and workers >= 1):
             raise ValueError(f"reward.workers={workers!r}: must be an integer >= 1")
         if not _is_finite(failure_reward):
             raise ValueError(f"reward.failure_reward={failure_reward!r}: must be a finite number")
+        if memory_limit_mb is not None and not (_is_int(memory_limit_mb) and memory_limit_mb >= 1):
+            raise ValueError(f"reward.memory_limit_mb={memory_limit_mb!r}: must be an integer >= 1 (MB), "
+                             "or null for no limit")
         self.fn = build_reward(fn)
         self.timeout_s = float(timeout_s)
         self.workers = workers
         self.failure_reward = float(failure_reward)
         self.total_failures: Counter = Counter()
+        self.first_errors: dict[str, str] = {}  # reason -> detail of its first occurrence
+        self._report = report if report is not None else log.warning
         self._pool: ProcessPool | None = None
         if is_trusted(self.fn):
             warmup = getattr(self.fn, "hybridrl_warmup", None)
             if warmup is not None:
                 warmup()
         else:
-            self._pool = ProcessPool(_payload(self.fn), workers=workers)
+            self._pool = _start_pool(self.fn, workers, memory_limit_mb, worker_output)
 
     def score(self, responses: list[str], answers: list[Any], prompts: list[str]) -> RewardBatch:
         """Scores ``[B]`` for ``B`` (response, answer, prompt) triples."""
@@ -91,9 +108,9 @@ class RewardRunner:
             return [call_one(self.fn, r, a, p) for r, a, p in zip(responses, answers, prompts)]
         if batched:
             (result,) = self._pool.map(call_batch, [(responses, answers, prompts)], self.timeout_s)
-            return [failed(result.reason)] * len(responses) if isinstance(result, Lost) else result
+            return [failed(result.reason, result.detail)] * len(responses) if isinstance(result, Lost) else result
         results = self._pool.map(call_one, list(zip(responses, answers, prompts)), self.timeout_s)
-        return [failed(r.reason) if isinstance(r, Lost) else r for r in results]
+        return [failed(r.reason, r.detail) if isinstance(r, Lost) else r for r in results]
 
     def _collect(self, outcomes: list[Outcome]) -> RewardBatch:
         batch = RewardBatch(scores=[])
@@ -101,12 +118,19 @@ class RewardRunner:
             if outcome.failure is not None:
                 batch.failures[outcome.failure] += 1
                 batch.scores.append(self.failure_reward)
+                self._first_error(outcome.failure, outcome.detail or outcome.failure)
                 continue
             batch.scores.append(outcome.score)
             for key, value in (outcome.extras or {}).items():
                 batch.extras.setdefault(key, [math.nan] * len(outcomes))[i] = value
         self.total_failures.update(batch.failures)
         return batch
+
+    def _first_error(self, reason: str, detail: str) -> None:
+        if reason not in self.first_errors:
+            self.first_errors[reason] = detail
+            self._report(f"reward {reward_label(self.fn)!r} failed a sample ({reason}): {detail}; "
+                         f"further '{reason}' failures are only counted (reward/failures)")
 
     def close(self) -> None:
         """Stop the worker processes (idempotent; also done at exit and on garbage collection)."""
@@ -120,8 +144,20 @@ class RewardRunner:
         self.close()
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_finite(x: Any) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _start_pool(fn: RewardFn, workers: int, memory_limit_mb: int | None,
+                output: str | os.PathLike | None) -> ProcessPool:
+    try:
+        return ProcessPool(_payload(fn), workers=workers, memory_limit_mb=memory_limit_mb, output=output)
+    except RuntimeError as e:  # the reward loads here but not in a fresh process (or too slowly)
+        raise ValueError(str(e)) from e
 
 
 def _payload(fn: RewardFn) -> bytes:

@@ -43,6 +43,9 @@ def _build_part(entry: Any, where: str) -> tuple[str, RewardFn, float]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: missing 'name' (a built-in reward, path/to/file.py:fn or module:fn)")
     options = {k: v for k, v in entry.items() if k not in _RESERVED}
+    odd = [k for k in options if not isinstance(k, str)]
+    if odd:
+        raise ValueError(f"{where}: option names must be strings, got {odd[0]!r}; write {{name: ..., option: value}}")
     fn = get_reward_fn(name, where=f"{where}.name", **options)
     label = entry.get("label", name.rpartition(":")[2])
     if not isinstance(label, str) or not label:

@@ -71,20 +71,40 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def worker_boot(fd: int, parent_pid: int) -> None:
+def limit_memory(megabytes: int) -> None:
+    """Cap this process's data memory: past it, allocations fail (MemoryError in Python,
+    which fails the sample as "memory limit"; the worker lives on).
+
+    RLIMIT_DATA rather than RLIMIT_AS: since Linux 4.7 it counts the heap and every private
+    writable mapping (numpy buffers, Python's arenas), but not shared libraries or the
+    address space glibc and thread pools reserve without using, which under RLIMIT_AS would
+    eat hundreds of MB of the budget after ``import torch``."""
+    import resource
+
+    limit = megabytes << 20
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def worker_boot(fd: int, parent_pid: int, memory_limit_mb: int = 0) -> None:
     """Worker entry: receive ``(sys.path, payload)``, load the function, say ready, then run
     chunks ``(handler, calls)`` answering ``("result", handler(fn, *args))`` call by call."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     _die_with_parent(parent_pid)
     conn = Connection(fd)
     try:
+        if memory_limit_mb:
+            limit_memory(memory_limit_mb)
         sys.path[:], payload = conn.recv()
         fn = pickle.loads(payload)
         warmup = getattr(fn, "hybridrl_warmup", None)
         if warmup is not None:
             warmup()
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
-        conn.send(("error", _one_line(e)))
+        hint = f" (with reward.memory_limit_mb={memory_limit_mb}; raise it)" if isinstance(e, MemoryError) else ""
+        conn.send(("error", _one_line(e) + hint))
         return
     conn.send(("ready", None))
     while True:

@@ -91,7 +91,8 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(train_set)} usable "
                          "training prompts; lower trainer.prompts_per_step or add data")
     rw = cfg.reward
-    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward)
+    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward,
+                          memory_limit_mb=rw.memory_limit_mb, report=console)
     try:
         directory = _open_dir(cfg, dp)
     except BaseException:
@@ -117,17 +118,13 @@ def _open_dir(cfg: Config, dp: DistContext | None) -> RunDir:
     if dp.is_main:
         try:
             directory = open_run_dir(t.output_dir, t.run_name, t.resume)
-            if directory.resume_from is not None:
-                directory.close()
-                error = (f"run directory {directory.path} holds a checkpoint, but resuming a {dp.world_size}-rank "
-                         "run is not supported yet; choose another trainer.run_name")
         except ValueError as e:
             error = str(e)
-    box = [error]
+    box = [error, None if directory is None else directory.resume_from]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise ValueError(box[0])
-    return directory if directory is not None else RunDir(Path(t.output_dir).resolve() / t.run_name, None, -1)
+    return directory if directory is not None else RunDir(Path(t.output_dir).resolve() / t.run_name, box[1], -1)
 
 
 def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, runner, train_set: PromptSet,

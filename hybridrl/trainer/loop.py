@@ -103,6 +103,8 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
         loop = LoopState(step=0, warm_start_accuracy=warm_acc, last_accuracy=warm_acc)
     else:
         _attach_reference(run, cfg)  # a placeholder copy; its weights come from the checkpoint
+        if run.step.dp is not None:
+            shard_for_data_parallel(run)
         loop = read_training_state(run.directory.resume_from, run, rng)
         if loop.step >= cfg.trainer.total_steps:
             raise ValueError(f"run {run_dir} is already complete at step {loop.step} (trainer.total_steps="
@@ -161,7 +163,7 @@ def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
     if run.step.dp is not None:
         from hybridrl.distributed.checkpoint import save_data_parallel
 
-        return save_data_parallel(run, cfg, loop.step, config_to_yaml(cfg))
+        return save_data_parallel(run, cfg, loop, rng, config_to_yaml(cfg))
     from hybridrl.trainer.checkpoint import save_step_dir, write_hf
     from hybridrl.trainer.train_state import write_training_state
 

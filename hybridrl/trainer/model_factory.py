@@ -52,12 +52,19 @@ def load_pretrained(path: str, dtype: torch.dtype, *, where: str = "model.path")
     return model, tokenizer
 
 
+_TOKENIZER_FIX = "the directory needs the tokenizer files saved with the model (tokenizer.json, ...)"
+
+
 def load_tokenizer(path: str, where: str = "model.path"):
     from transformers import AutoTokenizer
 
-    with checkpoint_errors(path, where, "cannot load its tokenizer",
-                           "the directory needs the tokenizer files saved with the model (tokenizer.json, ...)"):
-        return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+    with checkpoint_errors(path, where, "cannot load its tokenizer", _TOKENIZER_FIX):
+        tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+        # without its files, transformers builds an empty tokenizer of the model's class
+        empty = not tokenizer.encode("0 a", add_special_tokens=False)
+    if empty:
+        raise ValueError(f"{where}={path}: cannot load its tokenizer (no vocabulary found); {_TOKENIZER_FIX}")
+    return tokenizer
 
 
 _FIX = "point it at a local HF checkpoint directory (config.json and model.safetensors)"

@@ -40,21 +40,28 @@ class LoopState:
     nonfinite_streak: int = 0
 
 
-def write_training_state(directory: Path, run, loop: LoopState, rng: random.Random) -> None:
-    """Write the non-HF part of a checkpoint of ``run`` (a ``build.Run``) into ``directory``."""
+def write_training_state(directory: Path, run, loop: LoopState, rng: random.Random, *,
+                         sharded: bool = False) -> None:
+    """Write the non-HF part of a checkpoint of ``run`` (a ``build.Run``) into ``directory``.
+
+    ``sharded`` (data parallel): the weights and optimizer states are in ``dcp/`` (written
+    by every rank, see ``distributed/checkpoint.py``); this file keeps the rest (rank 0)."""
     from safetensors.torch import save_model
 
     step = run.step
-    if step.critic is not None:
-        step.critic.model.save_pretrained(directory / "critic")
-    if step.reference is not None:
-        save_model(step.reference.model, str(directory / REFERENCE_FILE))
+    if not sharded:
+        if step.critic is not None:
+            step.critic.model.save_pretrained(directory / "critic")
+        if step.reference is not None:
+            save_model(step.reference.model, str(directory / REFERENCE_FILE))
     np_state = np.random.get_state()
+    actor = step.actor.state_dict()
     state = {
         "format": FORMAT_VERSION,
+        "sharded": sharded,
         "loop": vars(loop).copy(),
-        "actor": step.actor.state_dict(),
-        "critic_optimizer": step.critic.optimizer.state_dict() if step.critic is not None else None,
+        "actor": {"scheduler": actor["scheduler"]} if sharded else actor,
+        "critic_optimizer": (None if step.critic is None else "dcp" if sharded else step.critic.optimizer.state_dict()),
         "kl_coef": float(step.kl_ctrl.value) if step.kl_ctrl is not None else None,
         "weight_version": step.rollout.version,
         "rng": {
@@ -69,24 +76,36 @@ def write_training_state(directory: Path, run, loop: LoopState, rng: random.Rand
 
 
 def read_training_state(directory: Path, run, rng: random.Random) -> LoopState:
-    """Restore ``directory`` into the freshly built ``run``; returns the loop counters."""
+    """Restore ``directory`` into the freshly built ``run``; returns the loop counters.
+    A data-parallel run (sharded models) restores its weights from ``dcp/`` on every rank."""
     from safetensors.torch import load_model
 
     from hybridrl.trainer.value_model import ValueModel
 
     state = _load(directory)
     step = run.step
-    load_policy_weights(run.policy, directory)
-    step.actor.load_state_dict(state["actor"])
+    sharded = step.dp is not None
+    if bool(state.get("sharded")) != sharded:
+        raise ValueError(f"trainer.resume: {directory} was written by a "
+                         f"{'multi' if state.get('sharded') else 'single'}-process run; resume it the same way "
+                         "(a sharded checkpoint's HF export can start a new single-process run with model.path=...)")
     if (step.critic is None) != (state["critic_optimizer"] is None):
         raise ValueError(f"trainer.resume: {directory} was written with a different algo.advantage.estimator "
                          "(critic present in one and not the other); resume with the run's own config")
-    if step.critic is not None:
-        saved = ValueModel.from_pretrained(directory / "critic")
-        step.critic.model.load_state_dict(saved.state_dict())
-        step.critic.optimizer.load_state_dict(state["critic_optimizer"])
-    if step.reference is not None:
-        load_model(step.reference.model, str(directory / REFERENCE_FILE))
+    if sharded:
+        from hybridrl.distributed.checkpoint import load_run_dcp
+
+        load_run_dcp(directory, run)
+        step.actor.scheduler.load_state_dict(state["actor"]["scheduler"])
+    else:
+        load_policy_weights(run.policy, directory)
+        step.actor.load_state_dict(state["actor"])
+        if step.critic is not None:
+            saved = ValueModel.from_pretrained(directory / "critic")
+            step.critic.model.load_state_dict(saved.state_dict())
+            step.critic.optimizer.load_state_dict(state["critic_optimizer"])
+        if step.reference is not None:
+            load_model(step.reference.model, str(directory / REFERENCE_FILE))
     if step.kl_ctrl is not None and state["kl_coef"] is not None:
         step.kl_ctrl.value = state["kl_coef"]
     r = state["rng"]

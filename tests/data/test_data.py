@@ -71,3 +71,54 @@ def test_missing_file_is_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_prompt_files([str(tmp_path / "nope.jsonl")], build_char_tokenizer(), prompt_key="prompt",
                           answer_key="answer", max_prompt_length=10)
+
+
+def _load(files, tok=None, max_prompt_length=20):
+    return load_prompt_files([str(f) for f in files], tok or build_char_tokenizer(), prompt_key="prompt",
+                             answer_key="answer", max_prompt_length=max_prompt_length)
+
+
+def test_invalid_utf8_row_is_skipped_and_counted_with_its_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n'
+                  b'{"prompt": "2+\xff="}\n'
+                  b'{"prompt": "3+3=", "answer": "6"}\n'
+                  b'\xc3\x28\n')
+    recs, report = _load([f])
+    assert [r.answer for r in recs] == ["2", "6"]
+    assert report.skipped == {"invalid UTF-8": 2}
+    assert report.first["invalid UTF-8"] == f"{f}:2"
+    assert f"2 invalid UTF-8 (first at {f}:2)" in report.summary()
+
+
+def test_deeply_nested_json_and_a_bom_do_not_abort_the_file(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes("\ufeff".encode() + b'{"prompt": "1+1="}\n' + b"[" * 100_000 + b"\n" + b'{"prompt": "2+2="}\n')
+    recs, report = _load([f])
+    assert len(recs) == 2 and report.skipped == {"unparseable": 1} and report.first["unparseable"] == f"{f}:2"
+
+
+def test_corrupt_parquet_is_one_line(tmp_path):
+    f = tmp_path / "d.parquet"
+    f.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(ValueError, match="cannot read it as parquet") as err:
+        _load([f])
+    assert "\n" not in str(err.value) and str(f) in str(err.value)
+
+
+def test_chat_rows_without_a_chat_template_name_the_row(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": [{"role": "user", "content": "1"}]}))
+    with pytest.raises(ValueError, match=f"{f}:2: chat-message prompts need a tokenizer with a chat_template"):
+        _load([f])
+
+
+def test_rows_a_chat_template_cannot_render_are_skipped(tmp_path):
+    tok = build_char_tokenizer("0123456789+-*= abcdefghijklmnopqrstuvwxyz:\n")
+    tok.chat_template = "{% if messages[0]['content'] == 'x' %}{{ raise_exception('no x') }}{% endif %}" \
+                        "{{ messages[0]['content'] }}"
+    f = tmp_path / "c.jsonl"
+    rows = [[{"role": "user", "content": "x"}], [], [{"role": "user", "content": "1+1="}]]  # [] raised ValueError
+    f.write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    recs, report = _load([f], tok, 200)
+    assert len(recs) == 1 and report.skipped == {"malformed prompt": 2} and report.first["malformed prompt"] == f"{f}:1"

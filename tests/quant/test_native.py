@@ -5,6 +5,7 @@ identical bytes (scales, fp8 codes, dequantized values), on fresh random data wi
 dynamic range, odd shapes, strided rows and both source / output dtypes.
 """
 import os
+import stat
 import subprocess
 import sys
 
@@ -205,3 +206,60 @@ sys.exit(3)
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-1000:])
+
+
+_LOAD = ("import logging; logging.basicConfig(level=logging.WARNING); from hybridrl.quant import native; "
+         "k = native.kernels(); print(k._name if k else None, hasattr(k, 'planted_marker'), "
+         "hasattr(k, 'hrl_quantize_channel'))")
+
+
+def _plant(path: str, tmp_path) -> None:
+    """Replace the cached library with a valid one that is not ours to trust."""
+    src = tmp_path / "planted.c"
+    src.write_text("int planted_marker(void) { return 42; }\n")
+    subprocess.run([native._compiler(), "-shared", "-fPIC", str(src), "-o", path], check=True)
+
+
+def _load_in_child(cache: str) -> tuple[str, bool, bool, str]:
+    proc = subprocess.run([sys.executable, "-c", _LOAD], env={**os.environ, "HYBRIDRL_CACHE_DIR": cache},
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    name, planted, real = proc.stdout.split()
+    return name, planted == "True", real == "True", proc.stderr
+
+
+def test_new_cache_folders_are_private(tmp_path):
+    cache = tmp_path / "new" / "deeper"
+    name, _, real, _ = _load_in_child(str(cache))
+    assert real and name.startswith(str(cache))
+    for folder in (tmp_path / "new", cache, cache / "kernels"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+
+def test_world_writable_cached_library_is_rebuilt_not_loaded(tmp_path):
+    path, _, _, _ = _load_in_child(str(tmp_path))
+    _plant(path, tmp_path)
+    os.chmod(path, 0o777)
+    name, planted, real, _ = _load_in_child(str(tmp_path))
+    assert name == path and real and not planted
+    assert not os.stat(path).st_mode & 0o022  # rebuilt in place, in the private folder
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a file owned by another user needs root")
+def test_cached_library_owned_by_another_user_is_rebuilt(tmp_path):
+    path, _, _, _ = _load_in_child(str(tmp_path))
+    _plant(path, tmp_path)
+    os.chown(path, 65534, -1)
+    name, planted, real, _ = _load_in_child(str(tmp_path))
+    assert name == path and real and not planted and os.stat(path).st_uid == os.getuid()
+
+
+def test_cache_folder_writable_by_others_is_not_used(tmp_path):
+    path, _, _, _ = _load_in_child(str(tmp_path))
+    _plant(path, tmp_path)
+    os.chmod(os.path.dirname(path), 0o777)
+    before = open(path, "rb").read()
+    name, planted, real, err = _load_in_child(str(tmp_path))
+    assert real and not planted and name != path  # built in a private temporary folder instead
+    assert "not private" in err
+    assert open(path, "rb").read() == before  # nothing written into the open folder

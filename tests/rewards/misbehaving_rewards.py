@@ -35,6 +35,13 @@ def by_response(response, answer, prompt):
         time.sleep(600)
     if response == "raise":
         raise RuntimeError("boom")
+    if response == "alloc":  # 1 GiB, touched: over any test's memory limit
+        return float(len(bytearray(1 << 30)))
+    if response == "print":  # a chatty reward: thousands of lines per batch on the console
+        for _ in range(100):
+            print("reward-debug-output")
+            print("reward-debug-stderr", file=sys.stderr)
+        return 1.0
     if response.startswith("sleep "):
         time.sleep(float(response.split()[1]))
         return 1.0

@@ -64,5 +64,5 @@ def test_missing_package_in_workers_fails_the_runner_up_front(tmp_path, monkeypa
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('No module named math_verify')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RuntimeError, match=r"could not load the reward: ImportError: .*pip install 'hybridrl\[math\]'"):
+    with pytest.raises(ValueError, match=r"could not load the reward: ImportError: .*pip install 'hybridrl\[math\]'"):
         RewardRunner("math_verify", workers=1)

@@ -52,3 +52,30 @@ def test_call_batch_checks_length_and_fails_slots():
     assert [o.failure for o in outs] == [None, "slot", NON_NUMERIC]
     short = call_batch(lambda *a: [1.0], ["a", "b"], [None] * 2, [""] * 2)
     assert [o.failure for o in short] == ["batched reward returned 1 results for 2 samples"] * 2
+
+
+def test_failure_detail_names_the_message_and_where():
+    def bad(response, answer, prompt):
+        raise KeyError("missing field")
+
+    out = call_one(bad, "", None, "")
+    assert out.failure == "raised KeyError"
+    assert out.detail.startswith("KeyError: 'missing field' (") and "test_outcome.py:" in out.detail
+    assert call_one(lambda r, a, p: "1", "", None, "").detail == "returned str '1'"
+    assert call_one(lambda r, a, p: bytearray(1 << 62), "", None, "").failure == "memory limit"
+
+
+def test_values_whose_inspection_raises_fail_the_sample_only():
+    class Weird:
+        ndim = 0
+
+        def item(self):
+            raise RuntimeError("no item")
+
+    def exploding():
+        yield 1.0
+        raise ValueError("half way")
+
+    assert call_one(lambda r, a, p: Weird(), "", None, "").failure == "raised RuntimeError"
+    assert [o.failure for o in call_batch(lambda rs, a, p: exploding(), ["a", "b"], [None] * 2, ["", ""])] == \
+        ["raised ValueError"] * 2

@@ -60,3 +60,33 @@ def test_register_batched():
         assert is_batched(get_reward_fn("test_batched_len")) and not is_trusted(lengths)
     finally:
         del REWARD_FNS["test_batched_len"]
+
+
+@pytest.mark.parametrize("source, fragment", [
+    ("def score(response, answer, prompt)\n    return 1.0\n", ":1: SyntaxError: expected ':'"),
+    ("def score(r, a, p):\nreturn 1.0\n", ":2: IndentationError"),
+    ("x = 1 / 0\ndef score(r, a, p):\n    return 1.0\n", "raised ZeroDivisionError: division by zero ("),
+    ("import no_such_dependency_xyz\n", "failed: No module named 'no_such_dependency_xyz'; install it"),
+    ("import sys\nsys.exit(3)\n", "raised SystemExit: 3"),
+])
+def test_reward_file_that_fails_to_import_is_one_line(tmp_path, source, fragment):
+    f = tmp_path / "broken_reward.py"
+    f.write_text(source)
+    with pytest.raises(ValueError) as err:
+        get_reward_fn(f"{f}:score")
+    message = str(err.value)
+    assert fragment in message and "\n" not in message and message.startswith(f"reward.functions='{f}:score'")
+
+
+def test_reward_module_with_a_syntax_error_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_reward_mod.py").write_text("def score(r, a, p)\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"broken_reward_mod.py:1: SyntaxError") as err:
+        get_reward_fn("broken_reward_mod:score")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("spec", [":score", "file.py:", "module:"])
+def test_spec_without_a_module_or_a_function(spec):
+    with pytest.raises(ValueError, match="give path/to/file.py:fn or module:fn"):
+        get_reward_fn(spec)

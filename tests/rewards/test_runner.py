@@ -172,7 +172,7 @@ def test_worker_that_cannot_load_the_reward_fails_at_construction(tmp_path):
         fn = get_reward_fn(f"{f}:score")
     finally:
         del os.environ["HYBRIDRL_TEST_IN_PARENT"]
-    with pytest.raises(RuntimeError, match="could not load the reward: ImportError: only importable in the parent"):
+    with pytest.raises(ValueError, match="could not load the reward: .*ImportError: only importable in the parent"):
         RewardRunner(fn, workers=2)
 
 
@@ -180,3 +180,61 @@ def test_score_checks_lengths():
     with pytest.raises(ValueError, match="2 responses, 1 answers and 2 prompts"):
         RewardRunner("exact_match").score(["a", "b"], ["a"], ["", ""])
     assert RewardRunner("exact_match").score([], [], []).scores == []
+
+
+def test_first_error_of_each_reason_is_reported_once_with_its_message():
+    reports = []
+    with RewardRunner(BAD, timeout_s=1.0, workers=2, report=reports.append) as r:
+        r.score(["raise", "raise", "exit", "hang", "1"], ["1"] * 5, [""] * 5)
+        r.score(["raise", "exit"], ["1", "1"], ["", ""])
+        first = dict(r.first_errors)
+    assert set(first) == {"raised RuntimeError", "worker died", "timeout"}
+    assert first["raised RuntimeError"].startswith("RuntimeError: boom (")
+    assert "misbehaving_rewards.py:" in first["raised RuntimeError"]  # where it was raised
+    assert "exited with code 3" in first["worker died"]
+    assert "no result within 1 s" in first["timeout"]
+    assert len(reports) == 3 and all("\n" not in line for line in reports)
+    assert any("(raised RuntimeError): RuntimeError: boom (" in line for line in reports)
+
+
+def test_first_errors_go_to_logging_by_default(caplog):
+    with RewardRunner(BAD, workers=1) as r, caplog.at_level("WARNING", logger="hybridrl.rewards.runner"):
+        r.score(["raise", "raise"], ["1", "1"], ["", ""])
+    warnings = [rec.getMessage() for rec in caplog.records]
+    assert len(warnings) == 1 and "RuntimeError: boom" in warnings[0]
+
+
+def test_first_error_of_a_component_names_it():
+    reports = []
+    spec = [{"name": "exact_match", "weight": 1.0}, {"name": f"{HERE / 'misbehaving_rewards.py'}:by_response",
+                                                     "weight": 0.5, "label": "bad"}]
+    with RewardRunner(spec, workers=1, report=reports.append) as r:
+        assert r.score(["raise"], ["x"], [""]).failures == {"bad: raised RuntimeError": 1}
+    assert r.first_errors["bad: raised RuntimeError"].startswith("bad: RuntimeError: boom (")
+
+
+def test_memory_limit_fails_the_sample_and_keeps_the_worker():
+    with RewardRunner(BAD, workers=1, memory_limit_mb=512) as r:
+        pids = r._pool.pids()
+        batch = r.score(["alloc", "ok"], ["x", "ok"], ["", ""])
+        assert batch.scores == [0.0, 1.0] and batch.failures == {"memory limit": 1}
+        assert r._pool.pids() == pids  # a MemoryError is an ordinary failure, not a dead worker
+        assert r.first_errors["memory limit"].startswith("MemoryError")
+
+
+@pytest.mark.parametrize("limit", [0, -5, 1.5, True, "512"])
+def test_memory_limit_must_be_a_positive_integer(limit):
+    with pytest.raises(ValueError, match="reward.memory_limit_mb"):
+        RewardRunner(BAD, memory_limit_mb=limit)
+
+
+def test_worker_output_goes_to_devnull_or_a_file(tmp_path, capfd):
+    with RewardRunner(BAD, workers=1) as r:
+        assert r.score(["print"], ["x"], [""]).scores == [1.0]
+    out, err = capfd.readouterr()
+    assert "reward-debug" not in out + err
+    log_file = tmp_path / "reward_workers.log"
+    with RewardRunner(BAD, workers=1, worker_output=log_file) as r:
+        r.score(["print"], ["x"], [""])
+    text = log_file.read_text()
+    assert text.count("reward-debug-output") == 100 and text.count("reward-debug-stderr") == 100

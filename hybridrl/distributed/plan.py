@@ -1,0 +1,136 @@
+"""``hybridrl plan``: per-device memory of a data-parallel job, from the real sharding code.
+
+The model is built on the meta device (no memory, no download) and sharded with the same
+``shard_model`` the trainer uses, inside a fake process group of the requested world size
+(``torch.distributed``'s ``fake`` backend: collectives are no-ops, sharding math is real).
+Each rank's share is then read off the DTensor shards — not re-derived by a formula:
+
+- trainer: parameters, gradients (same dtype and sharding), AdamW's two moments (float32)
+- engine (full model per rank): weights in the rollout dtype, FP8 linears at 1 byte +
+  a float32 scale per output row (``fp8``) or per 128×128 block (``fp8_block``) plus the
+  dequantized bf16 cache that fp8_block keeps on CUDA; KV cache for the batch and lengths
+- refit: one bucket + the largest parameter (the sharded refit's bound)
+
+Activations are not included (they depend on micro-batch size and checkpointing): the
+headroom left is what they may use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    world_size: int
+    params: int  # bytes per device
+    grads: int
+    optimizer: int
+    engine_weights: int
+    kv_cache: int
+    refit: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.engine_weights + self.kv_cache + self.refit
+
+    def table(self, device_gib: float | None = None) -> str:
+        rows = [("trainer parameters (shard)", self.params), ("gradients (shard)", self.grads),
+                ("AdamW moments (shard, fp32)", self.optimizer), ("engine weights (full model)", self.engine_weights),
+                ("KV cache", self.kv_cache), ("refit bucket + largest param", self.refit), ("total", self.total)]
+        lines = [f"per device, {self.world_size} data-parallel ranks:"]
+        lines += [f"  {name:<32}{b / GiB:>10.3f} GiB" for name, b in rows]
+        if device_gib is not None:
+            fits = self.total <= device_gib * GiB
+            lines.append(f"  {'fits ' + str(device_gib) + ' GiB?':<32}{'yes' if fits else 'NO':>10}"
+                         f"  (headroom {(device_gib * GiB - self.total) / GiB:.2f} GiB for activations)")
+        return "\n".join(lines)
+
+
+def sharded_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of this rank's parameter shards, bytes of the largest full parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    local, largest = 0, 0
+    for p in model.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        local += t.numel() * t.element_size()
+        largest = max(largest, p.numel() * p.element_size())
+    return local, largest
+
+
+def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None) -> int:
+    """Bytes of one rank's rollout-engine weights (a meta model, so no memory is used)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    total, elem = 0, torch.empty((), dtype=dtype).element_size()
+    for name, p in model.named_parameters():
+        is_linear = p.dim() == 2 and "embed" not in name and "lm_head" not in name
+        if quantization and is_linear:
+            rows, cols = p.shape
+            scales = rows * 4 if quantization == "fp8" else (-(-rows // 128)) * (-(-cols // 128)) * 4
+            total += p.numel() + scales + (p.numel() * 2 if quantization == "fp8_block" else 0)
+        else:
+            total += p.numel() * elem
+    return total
+
+
+def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype) -> int:
+    layers = hf_config.num_hidden_layers
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * layers * kv_heads * head_dim * batch * seq_len * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, engine_dtype: torch.dtype,
+                quantization: str | None, batch: int, seq_len: int, bucket_bytes: int) -> MemoryPlan:
+    """Shard a meta-device copy of the model over a fake group of ``world_size`` ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.distributed.fsdp import shard_model
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=trainer_dtype)
+        shard_model(model)
+        local, largest = sharded_bytes(model)
+        moments = 2 * sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()) * 4
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return MemoryPlan(world_size=world_size, params=local, grads=local, optimizer=moments,
+                      engine_weights=engine_bytes(hf_config, dtype=engine_dtype, quantization=quantization),
+                      kv_cache=kv_cache_bytes(hf_config, batch=batch, seq_len=seq_len, dtype=engine_dtype),
+                      refit=bucket_bytes + largest)
+
+
+# Published Qwen2.5 shapes, built in code (no download) for planning.
+QWEN25_SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def shape_config(name: str):
+    from transformers import Qwen2Config
+
+    if name not in QWEN25_SHAPES:
+        from hybridrl.did_you_mean import suggest
+
+        raise ValueError(f"--shape {name!r} is unknown; {suggest(name, QWEN25_SHAPES)}")
+    return Qwen2Config(max_position_embeddings=32768, **QWEN25_SHAPES[name])
