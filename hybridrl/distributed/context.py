@@ -71,11 +71,19 @@ def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
 def all_reduce_metrics(metrics: dict[str, float], *, summed: frozenset[str]) -> dict[str, float]:
     """Global metrics: keys in ``summed`` are added over ranks (already normalized by the
     global batch), every other one is averaged (ranks hold equal numbers of rows)."""
+    import zlib
+
     keys = sorted(metrics)
     world = dist.get_world_size()
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=comm_device())
+    # the last slot checks that every rank reduced the same keys (in one collective, no pickling)
+    signature = float(zlib.crc32("\n".join(keys).encode()))
+    t = torch.tensor([float(metrics[k]) for k in keys] + [signature], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t)
-    return {k: (v if k in summed else v / world) for k, v in zip(keys, t.cpu().tolist())}
+    values = t.cpu().tolist()
+    if values[-1] != signature * world:
+        raise RuntimeError("data-parallel ranks logged different metric keys this step; every rank must run "
+                           "the same phases")
+    return {k: (v if k in summed else v / world) for k, v in zip(keys, values[:-1])}
 
 
 def all_gather_floats(values: torch.Tensor) -> torch.Tensor:

@@ -7,24 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.distributed.fsdp import iter_full_parameters
+from hybridrl.distributed.fsdp import iter_full_parameter_buckets
 from hybridrl.refit import Refit, RefitStats
-from hybridrl.refit.bucket import nbytes
 
 
 def refit_sharded(engine, model: torch.nn.Module, *, bucket_bytes: int, verify: bool = False) -> RefitStats:
     names = [n for n, _ in model.named_parameters()]
     refit = Refit(engine, verify=verify).begin(names)
     try:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in iter_full_parameters(model):  # a collective per parameter, same order on every rank
-            bucket.append((name, tensor))
-            size += nbytes(tensor)
-            if size >= bucket_bytes:
-                refit.load(bucket)
-                bucket, size = [], 0
-        if bucket:
+        for bucket in iter_full_parameter_buckets(model, bucket_bytes):  # one all-gather per bucket, every rank
             refit.load(bucket)
     except BaseException:
         refit.abort()

@@ -110,14 +110,8 @@ class RLStep:
     def _global_metrics(self, metrics: dict[str, float], sb: StepBatch) -> dict[str, float]:
         """Every rank's metrics averaged (equal rows per rank; losses are already global-batch
         normalized times dp_size, so their mean is the global loss); reward std over all rows."""
-        import torch.distributed as dist
-
         from hybridrl.distributed.context import all_gather_floats, all_reduce_metrics
 
-        keys: list[tuple[str, ...]] = [()] * self.dp.world_size
-        dist.all_gather_object(keys, tuple(sorted(metrics)))
-        if len(set(keys)) != 1:
-            raise RuntimeError(f"ranks logged different metrics this step: {sorted(set(keys[0]) ^ set(keys[-1]))}")
         everything = all_gather_floats(sb.raw_scores.float().cpu())
         out = all_reduce_metrics(metrics, summed=frozenset())
         out["reward/std"] = float(everything.std()) if everything.numel() > 1 else 0.0

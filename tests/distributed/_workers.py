@@ -106,3 +106,29 @@ def peak_rss_delta(fn) -> int:
     start = status("VmRSS:")
     fn()
     return status("VmHWM:") - start
+
+
+def measured_state_bytes(rank: int, world: int, port: int, out: str) -> None:
+    """Bytes this rank really holds for parameter shards, gradients and AdamW state after
+    one optimizer step of the sharded model."""
+    from torch.distributed.tensor import DTensor
+
+    from hybridrl.distributed.fsdp import shard_model
+
+    init(rank, world, port)
+    model = small_model(hidden=256, vocab=1024, layers=3)
+    shard_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 1024, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+    def local(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = sum(local(p) for p in model.parameters())
+    grads = sum(local(p.grad) for p in model.parameters())
+    moments = sum(local(v) for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+    torch.save({"params": params, "grads": grads, "optimizer": moments}, f"{out}.{rank}")
+    dist.destroy_process_group()

@@ -1,0 +1,39 @@
+"""``hybridrl plan`` against what 2 real ranks hold, and its CLI for the Qwen2.5 shapes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+import _workers
+
+
+def test_plan_matches_two_real_ranks(tmp_path):
+    from hybridrl.distributed.plan import plan_memory
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "state")
+    mp.spawn(_workers.measured_state_bytes, args=(2, port, out), nprocs=2, join=True)
+    measured = [torch.load(f"{out}.{r}") for r in range(2)]
+    cfg = _workers.small_model(hidden=256, vocab=1024, layers=3).config
+    plan = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, engine_dtype=torch.float32,
+                       quantization=None, batch=4, seq_len=16, bucket_bytes=1 << 20)
+    for m in measured:  # rank 0 holds the larger share when rows do not split evenly
+        for key in ("params", "grads", "optimizer"):
+            assert abs(getattr(plan, key) - m[key]) <= 0.10 * m[key], (key, getattr(plan, key), m[key])
+
+
+def test_plan_cli_for_qwen_shapes():
+    proc = subprocess.run([sys.executable, "-m", "hybridrl", "plan", "--shape", "qwen2.5-7b", "trainer.nnodes=8",
+                           "trainer.nproc_per_node=8", "model.dtype=bfloat16", "--device-gib", "80"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "64 data-parallel ranks" in proc.stdout and "fits 80.0 GiB?" in proc.stdout
+    params = float(next(line for line in proc.stdout.splitlines() if "trainer parameters" in line).split()[-2])
+    assert 0.20 < params < 0.25  # 7.6e9 bf16 parameters / 64 ranks = 0.22 GiB
