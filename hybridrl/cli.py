@@ -65,6 +65,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hybridrl.config_io import load_config
+    from hybridrl.trainer.eval_job import evaluate_checkpoint
+
+    cfg = load_config(args.config, args.overrides)
+    if args.k is not None:
+        cfg.eval.k = args.k
+    out = Path(args.out) if args.out else None
+    result = evaluate_checkpoint(cfg, args.model, out)
+    line = f"greedy accuracy {result.accuracy:.3f}"
+    if result.k:
+        line += f"  pass@{result.k} {result.pass_at_k:.3f}  maj@{result.k} {result.maj_at_k:.3f}"
+    print(line + (f"  (samples: {out})" if out else ""))
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from hybridrl.config_io import load_config
     from hybridrl.distributed.plan import plan_memory, shape_config
@@ -111,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="YAML file with groups of keys")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200 algo.kl.coef=0")
         sp.set_defaults(fn=fn)
+    ev = sub.add_parser("eval", help="greedy accuracy, pass@k and maj@k of a local checkpoint on held-out prompts",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="e.g. hybridrl eval --model runs/default/checkpoint data.val_files=[val.jsonl] "
+                               "reward.functions=gsm8k --k 8 --out samples.jsonl")
+    ev.add_argument("--model", required=True, help="local HF checkpoint directory")
+    ev.add_argument("--config", help="YAML file with groups of keys")
+    ev.add_argument("--k", type=int, default=None, help="samples per prompt for pass@k / maj@k (eval.k)")
+    ev.add_argument("--out", help="write one JSON line per prompt (greedy and sampled responses, scores)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.val_files=[val.jsonl]")
+    ev.set_defaults(fn=_eval)
     pl = sub.add_parser("plan", help="per-device memory of a (data-parallel) job, from the real sharding code",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="e.g. hybridrl plan --shape qwen2.5-7b trainer.nnodes=8 trainer.nproc_per_node=8 "

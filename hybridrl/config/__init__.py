@@ -10,12 +10,12 @@ Reading YAML and dotted overrides: ``hybridrl/config_io.py``.
 from hybridrl.config.algo import (AdvantageConfig, AlgoConfig, CorrectionConfig, DapoConfig, KLConfig,
                                   PolicyLossConfig, ValueConfig)
 from hybridrl.config.base import ConfigError
-from hybridrl.config.groups import (GROUPS, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
+from hybridrl.config.groups import (GROUPS, Config, DataConfig, EvalConfig, LoggingConfig, ModelConfig, OptimConfig,
                                     RewardConfig, RolloutConfig, TrainerConfig)
 from hybridrl.config.presets import PRESETS
 
 __all__ = [
-    "AdvantageConfig", "AlgoConfig", "Config", "ConfigError", "CorrectionConfig", "DapoConfig", "DataConfig",
+    "AdvantageConfig", "AlgoConfig", "Config", "ConfigError", "CorrectionConfig", "DapoConfig", "DataConfig", "EvalConfig",
     "GROUPS", "KLConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PRESETS", "PolicyLossConfig",
     "RewardConfig", "RolloutConfig", "TrainerConfig", "ValueConfig",
 ]

@@ -43,11 +43,14 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train_files: list[str] = _f([], "jsonl/parquet prompt files; empty = built-in arithmetic task")
-    val_files: list[str] = _f([], "held-out jsonl/parquet files for eval (default: 5% split of train)")
+    train_files: list[str] = _f([], "jsonl / parquet prompt files or `datasets` directories (save_to_disk); "
+                                    "empty = built-in arithmetic task")
+    val_files: list[str] = _f([], "held-out prompts, same formats (default: 5% split of train)")
     prompt_key: str = _f("prompt", "column holding the prompt (text, or chat messages)")
     answer_key: str = _f("answer", "column holding the ground truth passed to the reward (optional)")
     max_prompt_length: int = _f(64, "prompts longer than this (in tokens) are skipped and counted")
+    system_prompt: str | None = _f(None, "a system message prepended to chat prompts (a text prompt gets it as a "
+                                         "first line); null = none")
     num_digits: int = _f(2, "arithmetic task: digits per operand")
     operations: str = _f("+", "arithmetic task: operators to draw from, any of '+-*'")
     train_size: int = _f(20000, "arithmetic task: number of training prompts")
@@ -199,6 +202,17 @@ class TrainerConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    k: int = _f(0, "also report pass@k and maj@k from k samples per held-out prompt (0 = greedy accuracy only)")
+    temperature: float = _f(1.0, "sampling temperature of the pass@k / maj@k samples")
+    seed: int = _f(1234, "seed of the eval samples (an eval never draws from the training RNG streams)")
+
+    def __post_init__(self) -> None:
+        check_number(self.k, "eval.k", low=0, high=1024)
+        check_number(self.temperature, "eval.temperature", low=0, low_open=True)
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     tensorboard: bool = _f(True, "write TensorBoard event files")
     plot: bool = _f(True, "write curves.png (reward and eval accuracy vs step)")
@@ -214,6 +228,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

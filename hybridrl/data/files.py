@@ -71,7 +71,9 @@ def _parse_line(raw: bytes, first: bool) -> Any:
 
 def _read_rows(path: Path):
     """``(line or row number, row)``, where a jsonl line that did not parse is :class:`_Unparsed`."""
-    if path.suffix in (".jsonl", ".json"):
+    if path.is_dir():
+        yield from _read_datasets_dir(path)
+    elif path.suffix in (".jsonl", ".json"):
         with path.open("rb") as f:  # bytes: one bad UTF-8 line must not abort the file
             for i, raw in enumerate(f, start=1):
                 if raw.strip():
@@ -88,6 +90,39 @@ def _read_rows(path: Path):
         yield from enumerate(rows, start=1)
     else:
         raise ValueError(f"{path}: unsupported data file type {path.suffix!r}; use .jsonl or .parquet")
+
+
+def _read_datasets_dir(path: Path):
+    """Rows of a Hugging Face ``datasets`` directory written by ``save_to_disk`` (a Dataset,
+    or the ``train`` split of a DatasetDict)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"data file {path}: a `datasets` directory needs the datasets package: "
+                         "pip install 'hybridrl[data]'") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - FileNotFoundError / ValueError / arrow errors: not a dataset dir
+        raise ValueError(f"data file {path}: not a dataset saved with save_to_disk "
+                         f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"data file {path}: a DatasetDict without a 'train' split (has {list(ds)}); "
+                             "point at one split's directory")
+        ds = ds["train"]
+    yield from enumerate(ds, start=1)
+
+
+def with_system_prompt(prompt: Any, system_prompt: str | None) -> Any:
+    """A chat prompt gets a leading system message (unless it has one); a text prompt gets
+    the system prompt as its first line."""
+    if not system_prompt:
+        return prompt
+    if isinstance(prompt, str):
+        return f"{system_prompt}\n{prompt}"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) and prompt[0].get("role") != "system":
+        return [{"role": "system", "content": system_prompt}, *prompt]
+    return prompt
 
 
 def render_prompt(tokenizer, prompt: Any) -> list[int] | None:
@@ -109,15 +144,18 @@ def render_prompt(tokenizer, prompt: Any) -> list[int] | None:
 
 
 def load_prompt_files(files: list[str], tokenizer, *, prompt_key: str, answer_key: str,
-                      max_prompt_length: int) -> tuple[list[PromptRecord], LoadReport]:
+                      max_prompt_length: int, system_prompt: str | None = None
+                      ) -> tuple[list[PromptRecord], LoadReport]:
     records: list[PromptRecord] = []
     report = LoadReport()
     for name in files:
         path = Path(name)
-        if not path.is_file():
+        if not path.exists():
             raise ValueError(f"data file {name}: not found; check data.train_files / data.val_files")
         try:
             for row_no, row in _read_rows(path):
+                if system_prompt and isinstance(row, dict) and prompt_key in row:
+                    row = {**row, prompt_key: with_system_prompt(row[prompt_key], system_prompt)}
                 _add_row(row, f"{name}:{row_no}", tokenizer, prompt_key, answer_key, max_prompt_length,
                          records, report)
         except OSError as e:  # unreadable (permissions, I/O error): the file, not a row

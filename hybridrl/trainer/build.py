@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hybridrl.config import Config
+from hybridrl.config import Config, DataConfig
 from hybridrl.distributed.context import DistContext
 from hybridrl.trainer.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
@@ -191,23 +191,24 @@ def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tupl
     return tr, to_set(ev), sft
 
 
-def _file_data(cfg: Config, tokenizer, console: Console) -> tuple[PromptSet, PromptSet]:
+def prompt_set_from_files(files: list[str], tokenizer, data: DataConfig, console: Console) -> PromptSet:
+    """Prompts (jsonl, parquet or a ``datasets`` directory) with the skip report printed."""
     from hybridrl.data.files import load_prompt_files
 
+    recs, report = load_prompt_files(files, tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                                     max_prompt_length=data.max_prompt_length, system_prompt=data.system_prompt)
+    console(f"data {', '.join(files)}: {report.summary()}")
+    return PromptSet([r.prompt_ids for r in recs], [r.answer for r in recs],
+                     [tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in recs])
+
+
+def _file_data(cfg: Config, tokenizer, console: Console) -> tuple[PromptSet, PromptSet]:
     d = cfg.data
-
-    def load(files):
-        recs, report = load_prompt_files(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                         max_prompt_length=d.max_prompt_length)
-        console(f"data {', '.join(files)}: {report.summary()}")
-        return PromptSet([r.prompt_ids for r in recs], [r.answer for r in recs],
-                         [tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in recs])
-
-    train = load(d.train_files)
+    train = prompt_set_from_files(d.train_files, tokenizer, d, console)
     if not train.prompts:
         raise ValueError(f"data.train_files {d.train_files}: no usable prompts (see the skip counts above)")
     if d.val_files:
-        return train, load(d.val_files)
+        return train, prompt_set_from_files(d.val_files, tokenizer, d, console)
     rng = random.Random(d.seed)
     order = list(range(len(train.prompts)))
     rng.shuffle(order)

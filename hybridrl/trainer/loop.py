@@ -19,7 +19,7 @@ from hybridrl.trainer.interrupt import InterruptFlag, TrainingInterrupted
 from hybridrl.trainer.metrics_log import plot_curves
 from hybridrl.trainer.progress import progress_bar
 from hybridrl.trainer.reference import Reference
-from hybridrl.trainer.scoring import greedy_accuracy
+from hybridrl.trainer.evaluation import EvalResult, evaluate_prompts
 
 __all__ = ["train", "TrainResult"]
 
@@ -33,9 +33,16 @@ class TrainResult:
     seconds: float = 0.0
 
 
-def evaluate(run: Run) -> float:
-    """Greedy exact-answer accuracy (reward > 0.5) on the held-out prompts."""
-    return greedy_accuracy(run.step.rollout, run.step.scorer, run.eval_set)
+def evaluate(run: Run) -> EvalResult:
+    """Greedy accuracy (reward > 0.5) on the held-out prompts, plus pass@k / maj@k when
+    ``eval.k > 0`` (see ``evaluation.py``)."""
+    e = run.cfg.eval
+    return evaluate_prompts(run.step.rollout, run.step.scorer, run.eval_set, k=e.k, temperature=e.temperature,
+                            seed=e.seed)
+
+
+def _extra(result: EvalResult) -> str:
+    return f"  pass@{result.k} {result.pass_at_k:.3f}  maj@{result.k} {result.maj_at_k:.3f}" if result.k else ""
 
 
 def warm_start(run: Run, cfg: Config) -> None:
@@ -97,9 +104,10 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
         _attach_reference(run, cfg)
         if run.step.dp is not None:
             shard_for_data_parallel(run)
-        warm_acc = evaluate(run)
-        run.console(f"eval after warm start: accuracy {warm_acc:.3f}")
-        run.log.log(0, {"eval/accuracy": warm_acc})
+        warm = evaluate(run)
+        warm_acc = warm.accuracy
+        run.console(f"eval after warm start: accuracy {warm_acc:.3f}{_extra(warm)}")
+        run.log.log(0, warm.metrics())
         loop = LoopState(step=0, warm_start_accuracy=warm_acc, last_accuracy=warm_acc)
     else:
         _attach_reference(run, cfg)  # a placeholder copy; its weights come from the checkpoint
@@ -216,10 +224,12 @@ def _rl_phase(run: Run, cfg: Config, bar, rng: random.Random, loop, interrupt: I
         loop.step = step
         loop.nonfinite_streak = loop.nonfinite_streak + 1 if metrics.get("actor/nonfinite_skipped") else 0
         if step % t.eval_every == 0 or step == t.total_steps:
-            loop.last_accuracy = evaluate(run)
-            metrics["eval/accuracy"] = loop.last_accuracy
-            run.console(f"step {step}: eval accuracy {loop.last_accuracy:.3f}  reward {metrics['reward/mean']:.3f}  "
-                        f"kl {metrics.get('actor/kl', 0.0):.4f}  {metrics['perf/tokens_per_s']:.0f} tok/s")
+            result = evaluate(run)
+            loop.last_accuracy = result.accuracy
+            metrics.update(result.metrics())
+            run.console(f"step {step}: eval accuracy {loop.last_accuracy:.3f}{_extra(result)}  reward "
+                        f"{metrics['reward/mean']:.3f}  kl {metrics.get('actor/kl', 0.0):.4f}  "
+                        f"{metrics['perf/tokens_per_s']:.0f} tok/s")
         run.log.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{loop.last_accuracy:.2f}")
         if loop.nonfinite_streak >= t.max_nonfinite_steps:

@@ -90,6 +90,10 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, warm_start_accuracy: 
     ev = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     if ev:
         ax.plot([s for s, _ in ev], [a for _, a in ev], "o-", label="held-out accuracy (greedy)")
+    sampled = sorted({k for r in rows for k in r if k.startswith(("eval/pass@", "eval/maj@"))})
+    for key in sampled:  # pass@k / maj@k when eval.k > 0
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([s for s, _ in pts], [a for _, a in pts], ".--", label=f"held-out {key[5:]}")
     if warm_start_accuracy is not None:
         ax.axhline(warm_start_accuracy, ls="--", c="gray", label="after warm start")
     ax.set_xlabel("RL step")

@@ -28,11 +28,3 @@ def greedy_scores(rollout: RolloutWorker, scorer: RewardScorer, prompts: PromptS
     """The reward of each prompt's greedy response (held-out eval; ReMax's baseline)."""
     out = rollout.greedy(prompts.prompts)
     return scorer.score(out.response_token_ids, prompts.answers, prompts.prompt_texts).scores
-
-
-def greedy_accuracy(rollout: RolloutWorker, scorer: RewardScorer, prompts: PromptSet) -> float:
-    """Share of prompts whose greedy response scores > 0.5 (NaN for an empty set)."""
-    if not len(prompts):
-        return float("nan")
-    scores = greedy_scores(rollout, scorer, prompts)
-    return sum(s > 0.5 for s in scores) / len(scores)

@@ -1,0 +1,51 @@
+"""``hybridrl eval --model DIR``: evaluate a local checkpoint on held-out prompts with the
+configured reward (greedy accuracy, pass@k, maj@k) and write the samples as jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridrl.config import Config
+from hybridrl.trainer.evaluation import EvalResult, evaluate_prompts, write_samples
+
+
+def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=print) -> EvalResult:
+    import torch
+
+    from hybridrl.rewards import RewardRunner
+    from hybridrl.rollout import RolloutEngine, SamplingParams
+    from hybridrl.trainer.build import prompt_set_from_files
+    from hybridrl.trainer.model_factory import DTYPES, check_checkpoint, load_tokenizer
+    from hybridrl.trainer.rollout_worker import RolloutWorker
+    from hybridrl.trainer.scoring import RewardScorer
+
+    files = cfg.data.val_files or cfg.data.train_files
+    if not files:
+        raise ValueError("hybridrl eval: give the prompts with data.val_files=[file.jsonl] (jsonl, parquet or a "
+                         "datasets directory)")
+    check_checkpoint(model_dir, "--model")
+    tokenizer = load_tokenizer(model_dir, "--model")
+    prompts = prompt_set_from_files(list(files), tokenizer, cfg.data, console)
+    if not len(prompts):
+        raise ValueError(f"data files {files}: no usable prompts (see the skip counts above)")
+    r = cfg.rollout
+    longest = max(len(p) for p in prompts.prompts)
+    engine = RolloutEngine.from_pretrained(model_dir, max_batch_size=min(256, max(1, len(prompts)) * max(1, cfg.eval.k)),
+                                           max_seq_len=longest + r.max_tokens, dtype=DTYPES[cfg.model.dtype],
+                                           device=cfg.trainer.device)
+    eos = tokenizer.eos_token_id
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
+                              stop_token_ids=(eos,) if eos is not None else ())
+    worker = RolloutWorker(engine, sampling, device=torch.device(cfg.trainer.device), bucket_bytes=1 << 26,
+                           verify_refit=False)
+    rw = cfg.reward
+    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward,
+                          memory_limit_mb=rw.memory_limit_mb)
+    try:
+        result = evaluate_prompts(worker, RewardScorer(runner, tokenizer), prompts, k=cfg.eval.k,
+                                  temperature=cfg.eval.temperature, seed=cfg.eval.seed, keep_samples=out is not None)
+    finally:
+        runner.close()
+    if out is not None:
+        write_samples(out, result)
+    return result

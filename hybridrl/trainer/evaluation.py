@@ -1,0 +1,91 @@
+"""Held-out evaluation: greedy accuracy, pass@k and maj@k with the run's reward.
+
+- greedy accuracy: share of prompts whose greedy response scores > 0.5;
+- pass@k: share of prompts with at least one of k sampled responses scoring > 0.5 (with
+  exactly k samples per prompt the unbiased estimator of Chen et al. 2021 reduces to this);
+- maj@k: share of prompts whose most frequent sampled answer (the stripped response text;
+  ties go to the earliest) scores > 0.5 — self-consistency (Wang et al. 2022).
+
+Sampling uses seeds drawn from ``seed``: an eval never consumes the training RNG streams,
+so turning pass@k on does not change what training samples.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridrl.trainer.prompts import PromptSet
+from hybridrl.trainer.rollout_worker import RolloutWorker
+from hybridrl.trainer.scoring import RewardScorer
+
+CORRECT = 0.5  # a score above this counts as solved
+
+
+@dataclass
+class EvalResult:
+    accuracy: float  # greedy
+    pass_at_k: float | None = None
+    maj_at_k: float | None = None
+    k: int = 0
+    samples: list[dict] = field(default_factory=list)  # one record per prompt (for a jsonl file)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"eval/accuracy": self.accuracy}
+        if self.k:
+            out[f"eval/pass@{self.k}"] = self.pass_at_k
+            out[f"eval/maj@{self.k}"] = self.maj_at_k
+        return out
+
+
+def evaluate_prompts(rollout: RolloutWorker, scorer: RewardScorer, prompts: PromptSet, *, k: int = 0,
+                     temperature: float = 1.0, seed: int = 0, keep_samples: bool = False) -> EvalResult:
+    """Greedy accuracy, and with ``k > 0`` pass@k / maj@k from ``k`` samples per prompt."""
+    if not len(prompts):
+        return EvalResult(accuracy=float("nan"))
+    greedy = rollout.greedy(prompts.prompts)
+    g_texts = scorer.tokenizer.batch_decode(greedy.response_token_ids, skip_special_tokens=True)
+    g_scores = scorer.runner.score(g_texts, prompts.answers, prompts.prompt_texts).scores
+    result = EvalResult(accuracy=sum(s > CORRECT for s in g_scores) / len(g_scores), k=k)
+    texts: list[list[str]] = [[] for _ in range(len(prompts))]
+    scores: list[list[float]] = [[] for _ in range(len(prompts))]
+    if k > 0:
+        rng = random.Random(seed)
+        import dataclasses
+
+        sampling = rollout.sampling
+        params = [dataclasses.replace(sampling, n=k, temperature=temperature, seed=rng.randrange(2**62))
+                  for _ in prompts.prompts]
+        ro = rollout.engine.generate(prompts.prompts, params)
+        flat = scorer.tokenizer.batch_decode(ro.response_token_ids, skip_special_tokens=True)
+        rows = [i for i in range(len(prompts)) for _ in range(k)]
+        flat_scores = scorer.runner.score(flat, [prompts.answers[i] for i in rows],
+                                          [prompts.prompt_texts[i] for i in rows]).scores
+        for i, t, s in zip(rows, flat, flat_scores):
+            texts[i].append(t)
+            scores[i].append(s)
+        result.pass_at_k = sum(any(s > CORRECT for s in row) for row in scores) / len(prompts)
+        result.maj_at_k = sum(_majority_correct(t, s) for t, s in zip(texts, scores)) / len(prompts)
+    if keep_samples:
+        result.samples = [{"prompt": prompts.prompt_texts[i], "answer": prompts.answers[i],
+                           "greedy": g_texts[i], "greedy_score": g_scores[i],
+                           **({"samples": texts[i], "scores": scores[i]} if k else {})}
+                          for i in range(len(prompts))]
+    return result
+
+
+def _majority_correct(texts: list[str], scores: list[float]) -> bool:
+    votes = Counter(t.strip() for t in texts)
+    top = max(votes.values())
+    winner = next(t for t in texts if votes[t.strip()] == top)  # earliest of the most frequent
+    return scores[texts.index(winner)] > CORRECT
+
+
+def write_samples(path: Path, result: EvalResult) -> None:
+    """One JSON line per prompt (prompt, answer, greedy response and score, samples)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in result.samples))
+    tmp.replace(path)
