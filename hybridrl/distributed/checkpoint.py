@@ -6,9 +6,7 @@
 - The Hugging Face export beside it is written by rank 0 from parameters gathered bucket
   by bucket (one bucket of full tensors held at a time, never the whole model).
 
-Both land in one atomic step directory (``trainer/checkpoint.py``): the DCP shards are
-written to a staging directory every rank can see, then rank 0 moves them into the step
-directory it publishes.
+The trainer puts both in one atomic step directory (``trainer/sharded_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -77,50 +75,3 @@ def export_hf(model: torch.nn.Module, directory: Path | None, *, bucket_bytes: i
         return
     index = {"metadata": {"total_size": total}, "weight_map": files}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-
-
-def save_data_parallel(run, cfg, loop, rng, config_yaml: str) -> Path | None:
-    """A checkpoint of a data-parallel run (``run``: ``trainer.build.Run``); returns the
-    step directory on rank 0, None on the other ranks."""
-    from hybridrl.trainer.checkpoint import save_step_dir
-
-    dp, actor, critic, reference = run.step.dp, run.step.actor, run.step.critic, run.step.reference
-    staging = run.run_dir / "checkpoints" / f".dcp-staging-{loop.step}"
-    if dp.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-    dist.barrier()
-    save_dcp(staging / "policy", actor.model, actor.optimizer)
-    if critic is not None:
-        save_dcp(staging / "critic", critic.model, critic.optimizer)
-    if reference is not None:
-        save_dcp(staging / "reference", reference.model)
-    dist.barrier()
-    if not dp.is_main:
-        export_hf(actor.model, None)
-        dist.barrier()
-        return None
-
-    from hybridrl.trainer.train_state import write_training_state
-
-    def write(directory: Path) -> None:
-        export_hf(actor.model, directory)
-        actor.model.config.save_pretrained(directory)
-        run.tokenizer.save_pretrained(directory)
-        (directory / "hybridrl_config.yaml").write_text(config_yaml)
-        shutil.move(str(staging), str(directory / DCP_DIR))
-        write_training_state(directory, run, loop, rng, sharded=True)
-
-    try:
-        return save_step_dir(run.run_dir / "checkpoint", loop.step, write, keep_last=cfg.trainer.keep_last)
-    finally:
-        dist.barrier()
-
-
-def load_run_dcp(directory: Path, run) -> None:
-    """Every rank loads its shards of the policy (+ optimizer), critic and reference."""
-    step = run.step
-    load_dcp(directory / DCP_DIR / "policy", step.actor.model, step.actor.optimizer)
-    if step.critic is not None:
-        load_dcp(directory / DCP_DIR / "critic", step.critic.model, step.critic.optimizer)
-    if step.reference is not None:
-        load_dcp(directory / DCP_DIR / "reference", step.reference.model)

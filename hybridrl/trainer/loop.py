@@ -169,9 +169,11 @@ def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
     """A full training checkpoint (HF policy + everything a resume needs), atomically.
     Data parallel: every rank takes part in gathering; rank 0 writes (returns None elsewhere)."""
     if run.step.dp is not None:
-        from hybridrl.distributed.checkpoint import save_data_parallel
+        from hybridrl.trainer.sharded_checkpoint import save_data_parallel
+        from hybridrl.trainer.train_state import write_training_state
 
-        return save_data_parallel(run, cfg, loop, rng, config_to_yaml(cfg))
+        return save_data_parallel(run, cfg, loop.step, config_to_yaml(cfg),
+                                  lambda directory: write_training_state(directory, run, loop, rng, sharded=True))
     from hybridrl.trainer.checkpoint import save_step_dir, write_hf
     from hybridrl.trainer.train_state import write_training_state
 
