@@ -4,7 +4,11 @@ For each config and engine precision: GB/s of trainer weights moved by
 ``refit_from_model`` (in process, bucketed, verify off) against (a) the memcpy ceiling:
 a plain ``copy_`` of the same tensors into preallocated storage of the same dtype, and
 (b) the naive approach: ``load_state_dict`` into an unfused transformers model. Also the
-peak extra memory of the refit against its bound (one bucket + the largest tensor).
+peak extra memory of the refit against its bound (one bucket + the largest tensor), and
+for the FP8 engines the bytes their linear layers hold against a bf16 engine's: where
+``_scaled_mm`` cannot serve a layer (always for ``fp8_block``, CUDA included; on CPU also
+per-channel ``fp8``) the layer keeps a bf16 dequantized cache next to its fp8 weight, 1.5x
+the bf16 bytes.
 
     python benchmarks/refit.py --quick --json bench_out/refit.json
 """
@@ -23,6 +27,7 @@ from _common import best_interleaved, report  # noqa: E402
 from hybridrl.refit import refit_from_model
 from hybridrl.refit.memory import peak_extra_bytes
 from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout.layers.linear import LinearBase
 
 CONFIGS = {
     "small": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
@@ -30,7 +35,8 @@ CONFIGS = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
 }
-CASES = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("fp8", torch.bfloat16, "fp8")]
+CASES = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("fp8", torch.bfloat16, "fp8"),
+         ("fp8_block", torch.bfloat16, "fp8_block")]
 BUCKET = 64 << 20
 
 
@@ -57,7 +63,13 @@ def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> l
     peak, _ = peak_extra_bytes(lambda: refit_from_model(eng, named, bucket_bytes=BUCKET))
     case = f"{cfg_name}/{precision}"
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
-    return [
+    rows = []
+    if quant is not None:
+        bf16 = RolloutEngine(hf.config, max_batch_size=1, max_seq_len=16, dtype=torch.bfloat16)
+        rows.append(dict(case=case, metric="linear weight MiB", ours=linear_bytes(eng) / 2**20,
+                         baseline=linear_bytes(bf16) / 2**20, higher_is_better=False,
+                         baseline_name="bf16 engine (with a bf16 dequant cache fp8 holds 1.5x)"))
+    return rows + [
         dict(case=case, metric="refit GB/s", ours=gbps(t_refit), baseline=gbps(t_copy),
              baseline_name="memcpy copy_", higher_is_better=True),
         dict(case=case, metric="refit GB/s", ours=gbps(t_refit), baseline=gbps(t_naive),
@@ -65,6 +77,16 @@ def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> l
         dict(case=case, metric="peak extra MiB", ours=peak / 2**20, baseline=(BUCKET + largest) / 2**20,
              baseline_name="bound: bucket + largest tensor", higher_is_better=False),
     ]
+
+
+def linear_bytes(engine: RolloutEngine) -> int:
+    """Bytes every linear layer of ``engine`` holds: weight, scales, dequantized cache, bias."""
+    total = 0
+    for module in engine.model.modules():
+        if isinstance(module, LinearBase):
+            tensors = {t.data_ptr(): t for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+    return total
 
 
 def main():

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The CUDA checks to run when a session has a GPU (device tool), in one short script:
-#   1. every test marked `cuda` (graph capture/replay == eager, replay after 3 refits for
-#      bf16 / fp8 / fp8_block engines, graphs captured by a refit-only start with a verified
-#      FP8 refit of CUDA trainer tensors, CUDA IPC refit transport, flash-attn varlen),
-#   2. benchmarks/cuda_paths.py: graph replay vs eager decode-step time and refit GB/s vs
-#      copy_, for bf16 / fp8 / fp8_block engines (also checks replay == eager bitwise).
-# Usage on the device machine: bash scripts/gpu_check.sh   (writes into ${OUT:-gpu_out}/)
-# Locally (CPU): PYTHON=.venv/bin/python bash scripts/gpu_check.sh  -> CUDA tests skip, bench fails fast.
+# The CUDA checks to run when a session has a GPU (device tool), in one short script that
+# cannot hang: every step runs under `timeout`, and the limits add up to under 8 minutes.
+#   1. cuda_tests: every test marked `cuda` (graph capture/replay == eager, graphs on the
+#      engine's device, replay after refits for bf16 / fp8 / fp8_block, refit-only start,
+#      verified FP8 refit of CUDA tensors, CUDA IPC transport with its syncs, flash decode,
+#      FP8 GEMM gating / compiled activation quantization, vectorized FP8 quantization);
+#   2. cuda_paths: benchmarks/cuda_paths.py (graph replay vs eager decode step, decode cost at
+#      max_seq_len 4096 vs 512, refit GB/s vs copy_; replay == eager bitwise);
+#   3. e2e: scripts/gpu_e2e.py, 5 GRPO steps of the default job on CUDA, bf16 and FP8
+#      rollout, refit_verify on, asserting the decode graphs were captured and replayed.
+# Then a one-screen summary: each CUDA test and benchmark row, PASS/FAIL.
+# Usage on the device machine: bash scripts/gpu_check.sh   (logs + JSON rows in ${OUT:-gpu_out}/)
+# Locally (CPU): PYTHON=.venv/bin/python bash scripts/gpu_check.sh  -> CUDA tests skip, bench/e2e fail fast.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -15,9 +20,92 @@ mkdir -p "$OUT"
 # of our dependencies, and no network: run from the source tree, install nothing.
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/env.txt"
-$PY -m pytest -q -m cuda -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.txt"
-tests_rc=${PIPESTATUS[0]}
-$PY benchmarks/cuda_paths.py --device cuda --json "$OUT/cuda_paths.json" 2>&1 | tee "$OUT/cuda_paths.txt"
-bench_rc=${PIPESTATUS[0]}
-exit $(( tests_rc != 0 ? tests_rc : bench_rc ))
+# Limits (s), worst case 25+200+100+110+15 + 4*5 kill grace = 470 s < 8 min.
+T_ENV=${T_ENV:-25} T_TESTS=${T_TESTS:-200} T_BENCH=${T_BENCH:-100} T_E2E=${T_E2E:-110} T_SUMMARY=15
+START=$SECONDS
+declare -A RC SECS
+
+step() {  # step NAME LIMIT_S CMD... : stdout+stderr -> $OUT/NAME.log, killed at the limit
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1 </dev/null
+  RC[$name]=$?
+  SECS[$name]=$((SECONDS - t0))
+  local note=""
+  [ "${RC[$name]}" -eq 124 ] || [ "${RC[$name]}" -eq 137 ] && note=" (TIMED OUT at ${limit}s)"
+  echo "[gpu_check] $name: rc=${RC[$name]} in ${SECS[$name]}s$note -> $OUT/$name.log"
+}
+
+step env "$T_ENV" "$PY" -c "
+import torch
+cuda = torch.cuda.is_available()
+print('torch', torch.__version__, '| cuda', torch.version.cuda, cuda, '|',
+      torch.cuda.get_device_name(0) if cuda else 'no GPU', torch.cuda.get_device_capability(0) if cuda else '',
+      '| GPUs', torch.cuda.device_count())
+try:
+    import flash_attn; print('flash_attn', flash_attn.__version__)
+except Exception as e: print('flash_attn: absent (', type(e).__name__, ')')
+try:
+    import triton; print('triton', triton.__version__)
+except Exception as e: print('triton: absent')
+"
+TIMEOUT_OPT=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT=(--timeout=90)  # per test, where installed
+step cuda_tests "$T_TESTS" "$PY" -m pytest -v -m cuda -rs -p no:cacheprovider --continue-on-collection-errors ${TIMEOUT_OPT[@]+"${TIMEOUT_OPT[@]}"} \
+  --junitxml="$OUT/cuda_tests.xml" tests
+step cuda_paths "$T_BENCH" "$PY" benchmarks/cuda_paths.py --device cuda --json "$OUT/cuda_paths.json"
+step e2e "$T_E2E" "$PY" scripts/gpu_e2e.py --device cuda --steps 5 --out "$OUT"
+
+timeout "$T_SUMMARY" "$PY" - "$OUT" "${RC[cuda_tests]}" "${RC[cuda_paths]}" "${RC[e2e]}" \
+  "$((SECONDS - START))" <<'EOF'
+import json, re, sys
+from pathlib import Path
+out, rc_tests, rc_bench, rc_e2e, total = Path(sys.argv[1]), *map(int, sys.argv[2:6])
+ok = True
+def mark(good): return "PASS" if good else "FAIL"
+print(f"==== gpu_check summary ({total} s) ====")
+env = (out / "env.log").read_text().strip().splitlines() if (out / "env.log").exists() else []
+for line in env[-3:]:
+    print("  " + line[:110])
+# 1. each CUDA test, from pytest -v lines ("tests/x.py::t[p] PASSED [ 10%]")
+seen = {}
+log = (out / "cuda_tests.log").read_text(errors="replace") if (out / "cuda_tests.log").exists() else ""
+for m in re.finditer(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", log, re.M):
+    seen[m.group(1)] = m.group(2)
+for m in re.finditer(r"^ERROR (tests/\S+\.py)(?: |$)", log, re.M):  # a module that failed to import
+    seen.setdefault(m.group(1) + " (collection)", "ERROR")
+counts = {k: sum(v == k for v in seen.values()) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+print(f"cuda tests (rc {rc_tests}): " + ", ".join(f"{v} {k.lower()}" for k, v in counts.items()))
+for name, status in seen.items():
+    print(f"  {'PASS' if status in ('PASSED', 'XFAIL') else 'SKIP' if status == 'SKIPPED' else 'FAIL'} "
+          f"{name.replace('tests/', '')[:100]}")
+tests_ok = rc_tests == 0 and counts["PASSED"] > 0
+ok &= tests_ok
+if rc_tests in (124, 137):
+    print("  FAIL (timed out: the tests after the last one listed never ran)")
+# 2. each benchmark row
+bench = {}
+if (out / "cuda_paths.json").exists():
+    bench = json.loads((out / "cuda_paths.json").read_text())
+print(f"cuda_paths bench (rc {rc_bench}): {len(bench.get('rows', []))} rows")
+for r in bench.get("rows", []):
+    num, den = (r["ours"], r["baseline"]) if r["higher_is_better"] else (r["baseline"], r["ours"])
+    print(f"  PASS {r['case']:<28} {r['metric']:<28} {r['ours']:9.4g} vs {r['baseline']:9.4g} "
+          f"({num / den if den else float('inf'):.2f}x)")
+if bench.get("error") or rc_bench != 0:
+    print(f"  FAIL {bench.get('error', 'see cuda_paths.log')[:100]}")
+ok &= rc_bench == 0 and bool(bench.get("rows"))
+# 3. the end-to-end runs
+runs = json.loads((out / "e2e.json").read_text()) if (out / "e2e.json").exists() else []
+print(f"e2e GRPO (rc {rc_e2e}): {len(runs)} runs")
+for r in runs:
+    detail = (f"{r.get('steps')} steps {r.get('seconds')}s, graphs {r.get('graph_sizes')}, "
+              f"{r.get('graph_replays')} replays, flash={r.get('flash_decode')}, "
+              f"fp8 mm/cache={r.get('fp8_scaled_mm_layers')}/{r.get('fp8_dequant_cache_layers')}, "
+              f"v{r.get('weight_version')}")
+    print(f"  {mark(r.get('ok'))} {r['case']}: " + (detail if r.get("ok") else "; ".join(r.get("problems", []))[:100]))
+ok &= rc_e2e == 0 and len(runs) == 2 and all(r.get("ok") for r in runs)
+print(f"==== {'ALL PASS' if ok else 'FAILURES (see the logs in ' + str(out) + ')'} ====")
+sys.exit(0 if ok else 1)
+EOF
+exit $?

@@ -5,7 +5,11 @@ buffer of ``bucket_bytes`` and hands over the buffer plus a list of ``TensorMeta
 consumer (engine side) unpacks **views** into that buffer (no copy) and loads them.
 The buffer is reused for the next bucket only after the consumer is done with it
 (generators resume only when the caller asks for the next bucket; the shared-memory
-transport waits for an ack). So the peak extra memory of a refit is one bucket, plus
+transport waits for an ack). On CUDA "done" means the consumer's *kernels* ran, not just
+that its Python returned: in one process the next bucket's ``copy_`` is queued on the
+same stream after the consumer's reads, so stream order suffices; across processes there
+is no common stream and ``shm.py`` synchronizes the device on both sides of every
+message. So the peak extra memory of a refit is one bucket, plus
 at most one tensor the producer had to materialize (e.g. a dtype cast). A tensor larger
 than the bucket is not split: it goes alone, as itself, without a copy.
 

@@ -61,7 +61,7 @@ class Refit:
         self.state = State.NEW
         self.written: set[str] = set()
         self.bytes = 0
-        self._sent: dict[str, tuple[float, float]] = {}
+        self._sent: dict[str, torch.Tensor] = {}  # name -> expected checksum, 0-d, on the sent tensor's device
         self._addresses: dict[str, V.TensorRecord] = {}
         self._t0 = 0.0
 
@@ -136,8 +136,9 @@ class Refit:
             raise RefitError(f"Refit.{step}() called in state {self.state.value!r}; the order is "
                              "begin() -> load()* -> finish(), once per Refit object")
 
-    def _expected_checksum(self, name: str, t: torch.Tensor) -> tuple[float, float]:
-        """(checksum of the value the engine must hold for ``t`` after the write, tolerance 0).
+    def _expected_checksum(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Checksum (0-d, on ``t``'s device, not synced) of the value the engine must hold for
+        ``t`` after the write; compared with tolerance 0.
 
         The route's linear method computes that value independently of the engine's storage
         (``t`` cast to the slot dtype; for FP8 ``dequant(quant(t))`` on ``t``'s device, whose
@@ -149,13 +150,14 @@ class Refit:
             expected = self.routes[name].expected_held(t)
         except ValueError as e:
             raise RefitError(f"{name}: {e}") from None
-        return V.weighted_sum(expected), 0.0
+        return V.weighted_sum_tensor(expected)
 
     def _verify(self) -> None:
         V.check_addresses(self._addresses, V.snapshot(self.engine.named_state_tensors()))
         V.check_derived_caches(self.engine.named_derived_caches())
-        held = {n: V.weighted_sum(self.routes[n].held()) for n in self._sent}
-        V.check_checksums(self._sent, held)
+        held = V.to_floats({n: V.weighted_sum_tensor(self.routes[n].held()) for n in self._sent})
+        sent = V.to_floats(self._sent)  # one host sync per device for the whole refit
+        V.check_checksums({n: (c, 0.0) for n, c in sent.items()}, held)
 
 
 def refit_session(engine, *, verify: bool = False, names: Iterable[str] | None = None) -> Refit:

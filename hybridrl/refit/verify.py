@@ -18,6 +18,12 @@ Two independent checks, both run by ``Refit(verify=True)``:
    transposed slices visible even when plain sums agree.
 Plus: every registered derived cache must equal a fresh recomputation from its sources,
 bit for bit (a stale or skipped cache fails here).
+
+Host syncs: a checksum is a 0-d float64 tensor on the tensor's device
+(:func:`weighted_sum_tensor`; its 1M-element chunks are added on the device, in the same
+order and with the same float64 adds as a host loop would), and :func:`to_floats` brings
+a whole dict of them to the host with one transfer per device. On a GPU a verified refit
+then syncs once at the end, not once per chunk of every tensor.
 """
 from __future__ import annotations
 
@@ -65,14 +71,32 @@ def _weights(start: int, n: int, device) -> torch.Tensor:
     return i.remainder_(PERIOD).div_(PERIOD).add_(1.0)
 
 
-def weighted_sum(t: torch.Tensor) -> float:
-    """``sum_i w_i * t_i`` in float64 over the flattened tensor (chunked)."""
+def weighted_sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``sum_i w_i * t_i`` in float64 over the flattened tensor (chunked), as a 0-d tensor
+    on ``t``'s device: no host sync (the kernels read ``t`` in stream order)."""
     flat = t.detach().reshape(-1)
-    total = 0.0
+    total = None
     for s in range(0, flat.numel(), CHUNK):
         x = flat[s:s + CHUNK].to(torch.float64)  # may alias the input: never write into x
-        total += float(torch.mul(x, _weights(s, x.numel(), x.device)).sum())
-    return total
+        part = torch.mul(x, _weights(s, x.numel(), x.device)).sum()
+        total = part if total is None else total + part
+    return torch.zeros((), dtype=torch.float64, device=flat.device) if total is None else total
+
+
+def weighted_sum(t: torch.Tensor) -> float:
+    """:func:`weighted_sum_tensor` as a Python float (one host sync)."""
+    return float(weighted_sum_tensor(t))
+
+
+def to_floats(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-d tensors -> Python floats, one device-to-host transfer per device."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, v in values.items():
+        by_device.setdefault(v.device, []).append(name)
+    out: dict[str, float] = {}
+    for names in by_device.values():
+        out.update(zip(names, torch.stack([values[n] for n in names]).tolist()))
+    return out
 
 
 def check_checksums(sent: dict[str, tuple[float, float]], held: dict[str, float]) -> None:

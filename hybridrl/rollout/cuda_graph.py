@@ -1,13 +1,25 @@
 """CUDA-graph capture and replay of the decode step (CUDA only).
 
-Capture happens once, at engine start, for a fixed set of batch sizes (largest first,
-all sharing one memory pool, as nano-vllm does). A batch of B rows replays the graph of
-the smallest captured size >= B; rows [B, size) are padding that write into cache rows
-nobody reads. A graph records raw addresses, so everything it touches is allocated once
-here or at construction and only ever written in place: the static input buffers below,
-the KV cache, the rope tables, the weights (refit copies into them) and `logits`.
-Each graph attends over all max_seq_len slots (the mask hides unwritten ones), so the
-shape never depends on the step.
+Capture happens once, at the engine's first complete weight update, for a fixed set of
+batch sizes (largest first, all sharing one memory pool, as nano-vllm does). A batch of
+B rows replays the graph of the smallest captured size >= B; rows [B, size) are padding
+that write into cache rows nobody reads. A graph records raw addresses, so everything it
+touches is allocated once here or at construction and only ever written in place: the
+static input buffers below, the KV cache, the rope tables, the weights (refit copies into
+them) and `logits`. Each graph runs the step with kv_len = max_seq_len, so its shapes
+never depend on the step; the decode attention then either reads each row's own length
+from the device (`cache_seqlens`, flash-attn: cost ~ the live length) or masks the unused
+slots (the SDPA fallback: cost ~ max_seq_len), see ``layers/attention.py``.
+
+**The engine's device, everywhere.** Kernels go to the *current stream of the device
+their tensors live on*, but a capture only records the stream it was begun on. An
+engine on ``cuda:N`` (N != 0; one engine per device in a multi-process job) whose graph
+were captured on the current device's stream (``cuda:0`` unless someone switched) would
+record an empty graph, and every replay would return stale logits, silently. So capture
+and replay run inside ``torch.cuda.device(dev)``, the capture stream is created on
+``dev`` (``torch.cuda.graph``'s default side stream is one process-wide stream made on
+whatever device was current first), and every drain is ``torch.cuda.synchronize(dev)``.
+``tests/rollout/test_cuda_graph_device.py`` checks that call order with fakes on CPU.
 """
 
 from __future__ import annotations
@@ -25,26 +37,41 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, runner, batch_sizes: list[int]):
         self.runner = runner
+        self.device = torch.device(runner.device)
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(f"CUDA graphs need a CUDA device with an index, got {self.device} "
+                             "(RolloutEngine resolves 'cuda' to the current device)")
         self.batch_sizes = sorted(batch_sizes)
-        n, vocab, device = max(batch_sizes), runner.model.config.vocab_size, runner.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.logits = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        n, vocab = max(batch_sizes), runner.model.config.vocab_size
+        where = runner.slot_ids.device  # next to the runner's other static tensors (on self.device)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=where)
+        self.positions = torch.zeros(n, dtype=torch.long, device=where)
+        self.logits = torch.zeros(n, vocab, dtype=torch.float32, device=where)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # graph launches so far (checked by scripts/gpu_check.sh's end-to-end run)
+        self.stream = None  # the capture stream, on self.device (kept alive with the graphs)
         self._capture()
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
-        for bs in reversed(self.batch_sizes):
-            self._step(bs)  # warm-up outside the graph: lazy cuBLAS/kernel init must not be captured
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+        dev = self.device
+        with torch.cuda.device(dev):
+            stream = torch.cuda.Stream(device=dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))  # weights just written on it
+            pool = None
+            for bs in reversed(self.batch_sizes):
+                # Warm-up outside the graph, on the capture stream: lazy cuBLAS / kernel /
+                # torch.compile initialization must not happen inside a capture.
+                with torch.cuda.stream(stream):
+                    self._step(bs)
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._step(bs)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
+            torch.cuda.synchronize(dev)
+        self.stream = stream
 
     def _step(self, bs: int) -> None:
         out = self.runner.decode_eager(self.input_ids[:bs], self.positions[:bs], self.runner.max_seq_len)
@@ -57,10 +84,12 @@ class CudaGraphRunner:
         """tokens, positions [B] -> logits [B, V] float32 (a view of the static output buffer)."""
         B = tokens.shape[0]
         bs = next(b for b in self.batch_sizes if b >= B)
-        self.input_ids[:B].copy_(tokens)
-        self.positions[:B].copy_(positions)
-        self.positions[B:bs].zero_()  # padding rows: a valid slot in an unused cache row
-        self.graphs[bs].replay()
+        with torch.cuda.device(self.device):  # the copies and the launch on dev's current stream
+            self.input_ids[:B].copy_(tokens)
+            self.positions[:B].copy_(positions)
+            self.positions[B:bs].zero_()  # padding rows: a valid slot in an unused cache row
+            self.graphs[bs].replay()
+        self.replays += 1
         return self.logits[:B]
 
     def named_tensors(self):

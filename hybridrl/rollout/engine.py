@@ -45,7 +45,7 @@ class RolloutEngine:
             hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
         self.hf_config = hf_config
         self.config = parse_hf_config(hf_config)
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = dtype, resolve_device(device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
         self.model = DecoderForCausalLM(self.config, get_linear_method(quantization), max_seq_len,
@@ -195,6 +195,16 @@ class RolloutEngine:
                              f"{self.max_seq_len}); shorten the prompt or raise max_seq_len")
         if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
             raise ValueError(f"generate: prompt token ids must be in [0, vocab_size={self.config.vocab_size})")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index made explicit: ``"cuda"`` means the *current* device at
+    construction (``torch.cuda.set_device(rank)`` in a multi-process job), fixed from then
+    on, so graph capture, replay and synchronization all name the device the tensors are on."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _request_seed(seed: int | None, j: int) -> int:

@@ -11,6 +11,7 @@ import torch
 from hybridrl.attention.masks import sdpa_mask
 from hybridrl.rollout.cuda_graph import CudaGraphRunner
 from hybridrl.rollout.kv_cache import KVCache
+from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.attention import ForwardContext
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
 
@@ -24,6 +25,9 @@ class ModelRunner:
         self.rows = torch.arange(max_batch_size, device=device)  # decode cache rows, static
         self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
         self.graphs: CudaGraphRunner | None = None
+        # Decode attention through flash-attn's per-row cache lengths (CUDA, fp16/bf16, the
+        # package installed): cost ~ live length, also inside a graph. Else the masked path.
+        self.flash_decode = flash_decode.usable(device, dtype, model.config.head_dim)
         self._decode_step = self.decode_eager
         self.compiled = compile_decode
         if compile_decode:
@@ -53,7 +57,8 @@ class ModelRunner:
                aligned: bool = False) -> torch.Tensor:
         """tokens [B] at positions [B] (cache rows [0, B)) -> logits [B, V] float32.
 
-        kv_len bounds the slots attended in eager mode; graphs attend over max_seq_len.
+        kv_len bounds the slots attended in eager mode; graphs attend over max_seq_len
+        (with flash decode, each row over its own length in both modes).
         `aligned` promises every position == kv_len - 1, so eager mode needs no mask.
         """
         if self.graphs is not None and self.graphs.can_run(tokens.shape[0]):
@@ -71,9 +76,17 @@ class ModelRunner:
         B = tokens.shape[0]
         pos = positions.view(B, 1)
         cos, sin = self.model.model.rotary_emb.tables(pos)
-        mask = None if aligned else (self.slot_ids[:kv_len].view(1, kv_len) <= pos).view(B, 1, 1, kv_len)
-        ctx = ForwardContext(pos, cos, sin, kv_cache=self.kv_cache, is_prefill=False, attn_mask=mask,
-                             rows=self.rows[:B], kv_len=kv_len, slot=kv_len - 1 if aligned else None)
+        slot = kv_len - 1 if aligned else None
+        if self.flash_decode:
+            # Row b attends slots [0, positions[b]] over whole cache rows, whatever kv_len is:
+            # the same call eager and in a graph, and no mask.
+            seqlens = (positions.view(B) + 1).to(torch.int32)
+            ctx = ForwardContext(pos, cos, sin, kv_cache=self.kv_cache, is_prefill=False, rows=self.rows[:B],
+                                 kv_len=self.max_seq_len, slot=slot, cache_seqlens=seqlens)
+        else:
+            mask = None if aligned else (self.slot_ids[:kv_len].view(1, kv_len) <= pos).view(B, 1, 1, kv_len)
+            ctx = ForwardContext(pos, cos, sin, kv_cache=self.kv_cache, is_prefill=False, attn_mask=mask,
+                                 rows=self.rows[:B], kv_len=kv_len, slot=slot)
         hidden = self.model(tokens.view(B, 1), ctx)
         return self.model.compute_logits(hidden[:, 0]).float()
 

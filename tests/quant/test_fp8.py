@@ -64,3 +64,76 @@ def test_requantize_is_idempotent_no_scale_drift():
     w2, s2 = _alloc(128, 256, True)
     quantize_(deq, w2, s2, block=True)
     assert torch.equal(s, s2) and torch.equal(w.view(torch.uint8), w2.view(torch.uint8))
+
+
+# ---- the vectorized (GPU) path: bitwise the stripe loop ---------------------------------------
+
+def _stripe_reference(monkeypatch):
+    """Force quantize_/dequantize_ on CPU through the torch stripe loop (no native kernels)."""
+    from hybridrl.quant import fp8
+    monkeypatch.setattr(fp8, "_quantize_native", lambda *a: False)
+    monkeypatch.setattr(fp8, "_dequantize_native", lambda *a: False)
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200), (7, 5), (129, 129), (640, 64)])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_vectorized_equals_stripe_loop_bitwise(monkeypatch, block, shape, src_dtype):
+    from hybridrl.quant import fp8
+    monkeypatch.setattr(fp8, "DEVICE_CHUNK_ELEMENTS", 256 * 128)  # several chunks, partial last tile
+    _stripe_reference(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    src = (torch.randn(*shape, generator=g) * torch.logspace(-3, 2, shape[1])).to(src_dtype)
+    src[1] = 0.0
+    w_ref, s_ref = _alloc(*shape, block)
+    quantize_(src, w_ref, s_ref, block=block)  # stripe loop
+    w, s = _alloc(*shape, block)
+    fp8._quantize_vectorized(src, w, s, block)
+    assert torch.equal(w.view(torch.uint8), w_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        ref, out = torch.empty(shape, dtype=out_dtype), torch.empty(shape, dtype=out_dtype)
+        dequantize_(w_ref, s_ref, ref)
+        fp8._dequantize_vectorized(w_ref, s_ref, out, block)
+        assert torch.equal(out, ref)
+
+
+def test_vectorized_path_serves_every_non_cpu_source(monkeypatch):
+    """quantize_/dequantize_ dispatch on the source's device (meta stands in for a GPU)."""
+    from hybridrl.quant import fp8
+    calls = []
+    monkeypatch.setattr(fp8, "_quantize_vectorized", lambda *a: calls.append("q"))
+    monkeypatch.setattr(fp8, "_dequantize_vectorized", lambda *a: calls.append("dq"))
+    src = torch.empty(256, 128, device="meta")
+    w = torch.empty(256, 128, dtype=FP8_DTYPE, device="meta")
+    quantize_(src, w, torch.empty(256, 1, device="meta"), block=False)
+    dequantize_(w, torch.empty(2, 1, device="meta"), torch.empty(256, 128, device="meta"))
+    assert calls == ["q", "dq"]
+    cpu_w, cpu_s = _alloc(8, 8, False)
+    quantize_(torch.randn(8, 8), cpu_w, cpu_s, block=False)
+    dequantize_(cpu_w, cpu_s, torch.empty(8, 8))
+    assert calls == ["q", "dq"], "CPU keeps its own (native / stripe) path"
+
+
+def test_vectorized_chunks_are_whole_tiles_and_few():
+    from hybridrl.quant import fp8
+    for k in (64, 4096, 11008, 151936):
+        rows = fp8._rows_per_chunk(k)
+        assert rows % BLOCK == 0 and (rows == BLOCK or rows * k <= fp8.DEVICE_CHUNK_ELEMENTS)
+    assert fp8._rows_per_chunk(4096) == 4096  # a 4096 x 4096 weight: one chunk, not 32 stripes
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block", [False, True])
+def test_gpu_quantization_is_bitwise_the_cpu_one(block):
+    g = torch.Generator().manual_seed(6)
+    src = (torch.randn(700, 300, generator=g) * torch.logspace(-3, 2, 300)).to(torch.bfloat16)
+    w_cpu, s_cpu = _alloc(700, 300, block)
+    quantize_(src, w_cpu, s_cpu, block=block)
+    w, s = (t.cuda() for t in _alloc(700, 300, block))
+    quantize_(src.cuda(), w, s, block=block)
+    assert torch.equal(w.cpu().view(torch.uint8), w_cpu.view(torch.uint8)) and torch.equal(s.cpu(), s_cpu)
+    out_cpu, out = torch.empty(700, 300), torch.empty(700, 300, device="cuda")
+    dequantize_(w_cpu, s_cpu, out_cpu)
+    dequantize_(w, s, out)
+    assert torch.equal(out.cpu(), out_cpu)

@@ -29,3 +29,46 @@ def test_peak_extra_memory(quantization):
     for fn in (in_process, packed):
         peak, _ = peak_extra_bytes(fn)
         assert peak <= BUCKET + largest, (fn.__name__, peak, BUCKET + largest)
+
+
+# ---- the profiler's field names ---------------------------------------------------------------
+
+class _Event:
+    def __init__(self, start, **fields):
+        self.time_range = type("R", (), {"start": start})()
+        self.__dict__.update(fields)
+
+
+def test_device_field_follows_the_torch_version():
+    from hybridrl.refit.memory import memory_field
+    new = _Event(0, self_device_memory_usage=1, self_cpu_memory_usage=0)
+    old = _Event(0, self_cuda_memory_usage=1, self_cpu_memory_usage=0)
+    both = _Event(0, self_device_memory_usage=1, self_cuda_memory_usage=1)
+    assert memory_field(new, "cuda") == "self_device_memory_usage"
+    assert memory_field(both, "cuda:1") == "self_device_memory_usage"
+    assert memory_field(old, "cuda") == "self_cuda_memory_usage"
+    assert memory_field(new, "cpu") == "self_cpu_memory_usage"
+    with pytest.raises(RuntimeError, match="cannot measure device memory"):
+        memory_field(_Event(0, self_cpu_memory_usage=5), "cuda")  # neither name: never "0 bytes"
+
+
+def test_replay_peak_in_start_order():
+    from hybridrl.refit.memory import replay_peak
+    events = [_Event(3, m=-100), _Event(1, m=100), _Event(2, m=50), _Event(4, m=0), _Event(5, m=30)]
+    assert replay_peak(events, "m") == 150
+
+
+def test_this_torch_has_a_device_field():
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from hybridrl.refit.memory import memory_field
+    assert memory_field(FunctionEvent(0, "x", 0, 0, 1), "cuda") == "self_device_memory_usage"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_is_measured():
+    import torch
+    x = torch.randn(1 << 20, device="cuda")
+    peak, _ = peak_extra_bytes(lambda: (x * 2).sum().item(), device="cuda")
+    assert peak >= 1 << 20  # the 4 MiB x * 2 temporary, not a silent 0

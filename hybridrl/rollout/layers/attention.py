@@ -8,7 +8,10 @@ Three modes, chosen by the `ForwardContext` the model runner builds once per for
 - decode (S == 1): row b writes its k/v at slot `positions[b]` (an index_put_, no
   allocation) and attends over slots [0, kv_len) with a `[B, 1, 1, kv_len]` bool mask
   (True = attend) that hides slots beyond its own position, or no mask when every row
-  sits at slot kv_len - 1 (equal-length prompts, eager mode).
+  sits at slot kv_len - 1 (equal-length prompts, eager mode). On CUDA with flash-attn
+  (``flash_decode.py``) the runner passes ``cache_seqlens`` instead: no mask, and the
+  kernel reads each row's length from the device, so a graph captured over all
+  max_seq_len slots costs what the live length costs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.kv_cache import KVCache
+from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.linear import QKVLinear, ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm
@@ -45,6 +49,9 @@ class ForwardContext:
     """decode: number of cache slots attended."""
     slot: int | None = None
     """decode, eager, every row at the same position: that slot (a slice copy, no index_put_)."""
+    cache_seqlens: torch.Tensor | None = None
+    """decode through flash-attn: int32 [B], row b attends cache slots [0, cache_seqlens[b])
+    (positions + 1, computed on the device); attn_mask and kv_len are then unused."""
 
 
 class Attention(nn.Module):
@@ -105,6 +112,10 @@ class Attention(nn.Module):
             slots = ctx.positions[:, 0]
             k_cache[ctx.rows, :, slots] = k[:, 0]  # (B, KVH, D) into slot positions[b] of row b
             v_cache[ctx.rows, :, slots] = v[:, 0]
+        if ctx.cache_seqlens is not None:  # flash-attn: [B, T, KVH, D] views of the whole rows
+            o = flash_decode.attend(q.transpose(1, 2), k_cache[:B].transpose(1, 2), v_cache[:B].transpose(1, 2),
+                                    ctx.cache_seqlens)  # (B, 1, H, D)
+            return o.transpose(1, 2)
         T = ctx.kv_len
         q, k_cache, v_cache = q.reshape(B, KVH, H // KVH, D), k_cache[:B, :, :T], v_cache[:B, :, :T]
         if q.device.type == "cpu" and B >= CPU_MATMUL_DECODE_MIN_BATCH:

@@ -7,7 +7,12 @@ Tensors registered on the layer, each allocated once in ``create_weights``:
 - ``weight_scale`` float32 Parameter, ``[N, 1]`` or ``[ceil(N/128), ceil(K/128)]``;
 - ``weight_dequant [N, K]`` in the engine dtype — a registered ``DerivedCache`` — when
   ``torch._scaled_mm`` cannot serve the layer (CPU, ROCm, block scales, a non-bf16
-  engine, or N/K not multiples of 16). It is refreshed in place after loading, never deleted and rebuilt.
+  engine, N/K not multiples of 16, a GPU below compute capability 9.0 — an A100 has no
+  FP8 tensor cores and rowwise-scaled ``_scaled_mm`` raises there — or torch < 2.5, which
+  has no rowwise scales). It is refreshed in place after loading, never deleted and
+  rebuilt. So ``fp8_block`` always runs through this bf16 cache, on CUDA too: its linear
+  weights then take 1.5x the bytes of a bf16 engine (1 B fp8 + 2 B cache per element;
+  ``benchmarks/refit.py`` reports it); FP8 saves memory only on the ``_scaled_mm`` path.
 
 Two layouts. *Loading layout*: plain e4m3fn values and scales, what ``weight_loader``
 writes. *Inference layout*: what the kernels read. On ROCm (MI300) that is e4m3fnuz:
@@ -29,7 +34,10 @@ every shard but the last to span whole 128-row tiles and raise at construction o
 (use ``quantization="fp8"`` for such shapes).
 
 Numerics: weight-only dequantization on the cache path (activations stay in the engine
-dtype); on the ``_scaled_mm`` path activations are also quantized per token to e4m3fn.
+dtype); on the ``_scaled_mm`` path activations are also quantized per token to e4m3fn
+(:func:`quantize_activations`: eight elementwise/reduction kernels eager, so on CUDA it is
+``torch.compile``d into one reduction and one pointwise kernel, falling back to eager if
+compilation is unavailable).
 Per-element weight error is bounded by ``hybridrl.quant.abs_error_bound``.
 
 Verification (``expected_held`` / ``held``) lives here too, so nothing outside this file
@@ -38,8 +46,11 @@ the trainer tensor's device, exactly as ``weight_loader`` computes it.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from hybridrl.quant.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, abs_error_bound, block_scale_shape, dequantize_,
                                 quantize_)
@@ -50,6 +61,11 @@ from hybridrl.rollout.layers.linear_method import LinearMethodBase
 FNUZ_DEFAULT: bool | None = None  # None: fnuz inference layout exactly when running on ROCm
 FNUZ_SCALE = 2.0  # e4m3fnuz bits encode half the e4m3fn value
 SCALED_MM_MULTIPLE = 16  # _scaled_mm needs both matrix dims divisible by 16
+SCALED_MM_MIN_CAPABILITY = (9, 0)  # FP8 tensor cores + rowwise scales: Hopper and newer
+SCALED_MM_MIN_TORCH = "2.5"  # rowwise (per-token x per-channel) scales; before, a tuple return
+COMPILE_ACTIVATION_QUANT = True  # switch: False keeps the eager activation quantization on CUDA
+
+log = logging.getLogger(__name__)
 
 
 class Fp8LinearMethod(LinearMethodBase):
@@ -87,7 +103,9 @@ class Fp8LinearMethod(LinearMethodBase):
         return (device.type == "cuda" and torch.version.hip is None and not self.block
                 and dtype == torch.bfloat16  # rowwise-scaled _scaled_mm outputs bf16
                 and not self.fnuz and layer.output_size % SCALED_MM_MULTIPLE == 0
-                and layer.input_size % SCALED_MM_MULTIPLE == 0)
+                and layer.input_size % SCALED_MM_MULTIPLE == 0
+                and TorchVersion(torch.__version__) >= SCALED_MM_MIN_TORCH
+                and torch.cuda.get_device_capability(device) >= SCALED_MM_MIN_CAPABILITY)
 
     # -- loading ---------------------------------------------------------------------
     def weight_loader(self, layer, param, loaded_weight, shard_id=None):
@@ -178,8 +196,53 @@ def _scaled_mm_linear(x, weight, weight_scale, bias):
     """CUDA: per-token e4m3fn activations × per-channel e4m3fn weight via ``_scaled_mm``."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # (M, K)
-    x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12).div_(FP8_MAX)  # (M, 1)
-    x_fp8 = (x2.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_fp8, x_scale = quantize_activations(x2)
     y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                          bias=bias, out_dtype=x.dtype)  # (M, N)
+    if isinstance(y, tuple):  # torch < 2.5 returned (out, amax)
+        y = y[0]
     return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def quantize_rows_eager(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) e4m3fn quantization of ``x2 [M, K]`` -> (``[M, K]`` fp8, scale ``[M, 1]`` fp32)."""
+    x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12).div_(FP8_MAX)  # (M, 1)
+    x_fp8 = (x2.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_fp8, x_scale
+
+
+_compiled_quantize_rows = None  # None: not built yet; False: compilation failed, eager from then on
+
+
+def _compiled():
+    global _compiled_quantize_rows
+    if _compiled_quantize_rows is None:
+        # dynamic: one compiled kernel pair for every token count M (M = 1 specializes once).
+        _compiled_quantize_rows = torch.compile(quantize_rows_eager, dynamic=True)
+    return _compiled_quantize_rows
+
+
+def _compiled_or_eager(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    global _compiled_quantize_rows
+    try:
+        return _compiled()(x2)
+    except Exception as e:  # no triton / compiler on this machine: stay correct, unfused
+        log.warning("FP8 activation quantization: torch.compile failed (%s: %s); using the eager "
+                    "kernels from now on", type(e).__name__, e)
+        _compiled_quantize_rows = False
+        return quantize_rows_eager(x2)
+
+
+def activation_quantizer(device: torch.device | str):
+    """What :func:`quantize_activations` runs on ``device``: the ``torch.compile``d kernels on
+    CUDA (the first call per shape class compiles — the CUDA-graph warm-up makes it, never a
+    capture), else (CPU, switched off, or compilation failed once) the eager ones."""
+    if (torch.device(device).type == "cuda" and COMPILE_ACTIVATION_QUANT
+            and _compiled_quantize_rows is not False):
+        return _compiled_or_eager
+    return quantize_rows_eager
+
+
+def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3fn quantization of ``x2 [M, K]`` (:func:`quantize_rows_eager`, fused on CUDA)."""
+    return activation_quantizer(x2.device)(x2)
