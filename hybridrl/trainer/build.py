@@ -138,9 +138,15 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
     t, a, r = cfg.trainer, cfg.algo, cfg.rollout
     max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
     ranks = dp.world_size if dp is not None else 1
-    engine = RolloutEngine(model.config, max_batch_size=min(t.prompts_per_step * r.n // ranks, 256),
-                           max_seq_len=max_prompt + r.max_tokens, dtype=dtype, device=device,
-                           quantization=r.quantization, enforce_eager=r.enforce_eager)
+    max_batch = min(t.prompts_per_step * r.n // ranks, 256)
+    if r.backend == "vllm":
+        from hybridrl.vllm_backend import VllmEngine
+
+        engine = VllmEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
+                            dtype=dtype, device=device, seed=t.seed)
+    else:
+        engine = RolloutEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
+                               dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager)
     actor = Actor(model, optim=cfg.optim, policy_loss=a.policy_loss, kl=a.kl, loss_agg_mode=a.loss_agg_mode,
                   temperature=r.temperature, loss_scale_factor=float(r.max_tokens),
                   max_tokens_per_microbatch=t.max_tokens_per_microbatch, shared_prefix=t.shared_prefix)

@@ -89,6 +89,9 @@ def train(cfg: Config) -> TrainResult:
         run.log.close()
         run.step.scorer.close()
         run.directory.close()
+        close = getattr(run.step.rollout.engine, "close", None)  # vLLM's engine holds processes / a group
+        if close is not None:
+            close()
 
 
 def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from hybridrl.refit import RefitStats, refit_from_model
-from hybridrl.rollout import RolloutEngine, Rollouts, SamplingParams
+from hybridrl.rollout import Rollouts, SamplingParams
+from hybridrl.rollout.backend import RolloutBackend
 
 
 RefitFn = Callable[..., RefitStats]  # (engine, model, *, bucket_bytes, verify) -> RefitStats
@@ -29,7 +30,7 @@ class StaleRolloutError(RuntimeError):
 class RolloutWorker:
     """``engine`` plus the run's sampling settings; tensors come back on ``device``."""
 
-    def __init__(self, engine: RolloutEngine, sampling: SamplingParams, *, device: torch.device,
+    def __init__(self, engine: RolloutBackend, sampling: SamplingParams, *, device: torch.device,
                  bucket_bytes: int, verify_refit: bool, refit_impl: RefitFn = refit_from_model):
         self.engine = engine
         self.sampling = sampling  # n, temperature, top-k/p, max_tokens, stop ids (seed set per prompt)

