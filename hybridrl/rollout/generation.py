@@ -17,6 +17,7 @@ import torch
 
 from hybridrl.rollout.layers.sampler import SamplingTensors, make_uniforms, sample
 from hybridrl.rollout.model_runner import ModelRunner
+from hybridrl.rollout.routing import active_recorder
 from hybridrl.rollout.sampling_params import SamplingParams
 
 
@@ -58,11 +59,16 @@ def run_batch(runner: ModelRunner, requests: list[Request], vocab_size: int,
     has_stop = state.stop_ids.shape[1] > 0
     out_tokens = torch.full((B, steps), -1, dtype=torch.long, device=dev)
     out_logprobs = torch.zeros(B, steps, dtype=torch.float32, device=dev)
+    recorder = active_recorder(runner.model)  # MoE routing replay (routing.py); None: not recording
+    if recorder is not None:
+        recorder.begin_batch(lens, steps, dev)
 
-    logits = _prefill_unique(runner, [r.prompt for r in requests], S)
+    logits = _prefill_unique(runner, [r.prompt for r in requests], S, recorder)
     for step in range(steps):
         if step > 0:
             logits = runner.decode(state.tokens, state.positions, min(S + step, runner.max_seq_len), aligned)
+            if recorder is not None:
+                recorder.after_decode(state.row_map, state.positions)
             state.positions.add_(1).clamp_(max=runner.max_seq_len - 1)  # finished rows may run past
         tokens, logprobs = sample(logits, state.sampling, step)
         out_tokens[state.row_map, step] = tokens.masked_fill(state.done, -1)
@@ -79,10 +85,13 @@ def run_batch(runner: ModelRunner, requests: list[Request], vocab_size: int,
             if n <= state.done.numel() * compact_at:
                 runner.kv_cache.move_rows(running, min(S + step, runner.max_seq_len))
                 state = state.select(running)
-    return _collect(out_tokens.cpu(), out_logprobs.cpu(), requests)
+    results = _collect(out_tokens.cpu(), out_logprobs.cpu(), requests)
+    if recorder is not None:
+        recorder.end_batch([len(t) for t, _, _ in results])
+    return results
 
 
-def _prefill_unique(runner: ModelRunner, prompts: list[list[int]], S: int) -> torch.Tensor:
+def _prefill_unique(runner: ModelRunner, prompts: list[list[int]], S: int, recorder=None) -> torch.Tensor:
     """Prefill each distinct prompt once, then copy its cache row to every row that shares it.
 
     GRPO batches hold n copies of each prompt; prefilling the U distinct ones (rows [0, U))
@@ -95,8 +104,12 @@ def _prefill_unique(runner: ModelRunner, prompts: list[list[int]], S: int) -> to
     lengths = torch.tensor([len(p) for p in unique], device=runner.device)
     logits = runner.prefill(input_ids.to(runner.device), lengths)
     if len(unique) == len(prompts):
+        if recorder is not None:
+            recorder.after_prefill(None, S)
         return logits
     src_rows = torch.tensor(src, device=runner.device)
+    if recorder is not None:
+        recorder.after_prefill(src_rows, S)
     runner.kv_cache.move_rows(src_rows, S)
     return logits[src_rows]
 

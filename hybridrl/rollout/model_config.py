@@ -1,6 +1,7 @@
 """What the rollout model needs from a Hugging Face config, parsed and validated once.
 
-Supports the Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) families. RoPE
+Supports the Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) families and their
+mixture-of-experts variants Qwen3-MoE and Qwen2-MoE (with its shared expert). RoPE
 parameters are read from `config.rope_parameters` (transformers 5) or
 `config.rope_scaling` + `config.rope_theta` (transformers 4).
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -34,6 +36,20 @@ class ModelConfig:
     """Qwen3: RMSNorm over head_dim on q and k before RoPE."""
     rope: dict[str, Any] = field(default_factory=dict)
     """rope_type, rope_theta and the type's extra keys (factor, low_freq_factor, ...)."""
+    # -- mixture of experts (num_experts == 0: dense) --
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    """renormalize the top-k router probabilities to sum to 1 (Qwen3-MoE checkpoints: True)."""
+    moe_layers: tuple[int, ...] = ()
+    """indices of the sparse (MoE) layers; the others have a dense MLP of intermediate_size.
+    HF rule: i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE: width of the always-on shared expert (gated by sigmoid(shared_expert_gate)); 0 = none."""
+
+    def is_moe_layer(self, idx: int) -> bool:
+        return idx in self.moe_layers
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -72,20 +88,45 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
     hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
     head_dim = _get(cfg, "head_dim") or hidden // heads
     attention_bias = bool(_get(cfg, "attention_bias", False))
+    qkv_bias = (attention_bias or model_type == "qwen2"
+                or (model_type == "qwen2_moe" and bool(_get(cfg, "qkv_bias", True))))
+    num_layers = _get(cfg, "num_hidden_layers")
+    moe = _moe_fields(cfg, model_type, num_layers) if model_type in MOE_MODEL_TYPES else {}
     return ModelConfig(
         model_type=model_type,
         vocab_size=_get(cfg, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_get(cfg, "intermediate_size"),
-        num_layers=_get(cfg, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=_get(cfg, "num_key_value_heads") or heads,
         head_dim=head_dim,
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type != "qwen2" and attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=bool(_get(cfg, "mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope=_rope_params(cfg),
+        **moe,
     )
+
+
+def _moe_fields(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE part of a Qwen3-MoE / Qwen2-MoE config, validated."""
+    act = _get(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported by the rollout engine's experts; only 'silu'")
+    num_experts = int(_get(cfg, "num_experts", 0) or 0)
+    top_k = int(_get(cfg, "num_experts_per_tok", 0) or 0)
+    step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
+    mlp_only = set(_get(cfg, "mlp_only_layers", None) or ())
+    layers = tuple(i for i in range(num_layers)
+                   if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+    if layers and not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+    shared = int(_get(cfg, "shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(_get(cfg, "moe_intermediate_size")),
+                norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)), moe_layers=layers,
+                shared_expert_intermediate_size=shared)

@@ -9,12 +9,19 @@ linear layer's shard geometry.
 
 Tied embeddings: ``lm_head.weight`` is then the embedding Parameter itself, so it has no
 route of its own; it is in ``ignored`` (accepted and skipped when sent).
+
+Modules that lay out their own weights (MoE experts, ``layers/fused_moe.py``) say so with a
+``hf_weight_routes(module_name)`` method; their parameters get no default route. Such a
+module may also offer *aliases*: other names for slices of an expected name (the per-expert
+``experts.{e}.gate_proj.weight`` of checkpoints on disk, slices of the fused
+``experts.gate_up_proj`` that ``named_parameters()`` yields). An alias loads in place like any
+route; ``missing(written)`` counts an expected name as written once all its aliases are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -59,24 +66,53 @@ class WeightRoutes:
     """HF name -> ``WeightRoute`` for every weight a full load writes exactly once."""
 
     def __init__(self, model: nn.Module):
-        self._routes: dict[str, WeightRoute] = dict((r.hf_name, r) for r in _build(model))
+        self._routes: dict[str, WeightRoute] = {}
+        self._aliases: dict[str, WeightRoute] = {}
+        groups: dict[str, set[str]] = {}
+        for r in _build(model):
+            canonical = getattr(r, "canonical", None)
+            if canonical is None:
+                self._routes[r.hf_name] = r
+            else:
+                self._aliases[r.hf_name] = r
+                groups.setdefault(canonical, set()).add(r.hf_name)
         self.expected: frozenset[str] = frozenset(self._routes)
-        """every HF name a full load / refit must write exactly once."""
+        """every HF name a full load / refit must write exactly once (or through all its aliases)."""
+        self.aliases: frozenset[str] = frozenset(self._aliases)
+        """other accepted names, each a slice of one expected name (per-expert checkpoint names)."""
+        self.alias_groups: dict[str, frozenset[str]] = {c: frozenset(a) for c, a in groups.items()}
+        """expected name -> the aliases that together write all of it."""
         self.ignored: frozenset[str] = frozenset({TIED_HEAD} if getattr(model.lm_head, "tied", False) else ())
         """names accepted and skipped (a tied ``lm_head.weight``)."""
 
     def __getitem__(self, hf_name: str) -> WeightRoute:
-        route = self._routes.get(hf_name)
+        route = self._routes.get(hf_name) or self._aliases.get(hf_name)
         if route is None:
             raise ValueError(f"weight {hf_name!r} has no slot in the rollout model; check that the "
                              "checkpoint's architecture matches the engine config")
         return route
 
     def __contains__(self, hf_name: object) -> bool:
-        return hf_name in self._routes
+        return hf_name in self._routes or hf_name in self._aliases
 
     def __iter__(self) -> Iterator[WeightRoute]:
+        """The expected names' routes (aliases are reached by name)."""
         return iter(self._routes.values())
+
+    def canonical(self, hf_name: str) -> str:
+        """The expected name ``hf_name`` writes (itself, or the fused name an alias is a slice of)."""
+        return getattr(self[hf_name], "canonical", None) or hf_name
+
+    def missing(self, written: Iterable[str]) -> set[str]:
+        """Expected names neither written nor covered by all of their aliases."""
+        written = set(written)
+        return {n for n in self.expected - written
+                if not (n in self.alias_groups and self.alias_groups[n] <= written)}
+
+    def overlapping(self, names: Iterable[str]) -> set[str]:
+        """Expected names that ``names`` writes twice: under their own name and through an alias."""
+        names = set(names)
+        return {self.canonical(n) for n in names & self.aliases} & names
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -87,7 +123,15 @@ def _build(model: nn.Module) -> Iterator[WeightRoute]:
     fused_to_hf: dict[str, list[tuple[str, str | int]]] = {}
     for hf_part, (fused, shard_id) in model.packed_modules_mapping.items():
         fused_to_hf.setdefault(fused, []).append((hf_part, shard_id))
+    claimed: set[int] = set()  # parameters of modules that route their own weights
+    for module_name, module in model.named_modules():
+        own = getattr(module, "hf_weight_routes", None)
+        if own is not None:
+            yield from own(module_name)
+            claimed.update(id(p) for p in module.parameters())
     for name, param in model.named_parameters():
+        if id(param) in claimed:
+            continue
         module_name, leaf = name.rsplit(".", 1)
         module = model.get_submodule(module_name)
         if not isinstance(module, LinearBase):

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from hybridrl.rollout.derived import named_derived_caches
+from hybridrl.rollout.layers.fused_moe import FusedExperts
 from hybridrl.rollout.layers.linear import LinearBase
 from hybridrl.rollout.weight_routes import WeightRoutes
 
@@ -47,7 +48,8 @@ class WeightUpdate:
 
     def __init__(self, model: nn.Module, routes: WeightRoutes):
         self.model, self.routes = model, routes
-        self.linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+        # every layer whose method owns a loading/inference layout: linears and fused experts
+        self.linears = [m for m in model.modules() if isinstance(m, (LinearBase, FusedExperts))]
         self.is_open = False
         self.written: set[str] = set()
 
@@ -87,7 +89,7 @@ class WeightUpdate:
         """
         self._expect_open("finish")
         self._close()
-        missing = self.routes.expected - self.written
+        missing = self.routes.missing(self.written)  # an expected name may arrive as its aliases
         if missing:
             raise WeightUpdateError(f"weight update incomplete: {len(missing)} weights never loaded: "
                                     f"{_listing(missing)}; weight_version was not advanced; "

@@ -1,4 +1,5 @@
-"""Llama / Qwen2 / Qwen3 decoder in the inference layout (fused qkv_proj, gate_up_proj).
+"""Llama / Qwen2 / Qwen3 (and Qwen3-MoE / Qwen2-MoE) decoder in the inference layout
+(fused qkv_proj, gate_up_proj; MoE layers: ``models/moe.py``).
 
 Composition only: the layers own their weights and loaders. Module names mirror the
 Hugging Face ones so that an HF name maps to ours by `packed_modules_mapping` alone.
@@ -12,20 +13,24 @@ from torch import nn
 
 from hybridrl.rollout.layers.attention import Attention, ForwardContext
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
+from hybridrl.rollout.layers.fused_moe import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear import MergedColumnLinear, ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.rotary import RotaryEmbedding
 from hybridrl.rollout.model_config import ModelConfig
+from hybridrl.rollout.models.moe import SparseMoeBlock
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, dtype, device, prefix: str):
+    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, dtype, device, prefix: str,
+                 intermediate_size: int | None = None):
         super().__init__()
         kw = dict(bias=cfg.mlp_bias, method=method, dtype=dtype, device=device)
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [width] * 2,
                                                prefix=f"{prefix}.gate_up_proj", **kw)
-        self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size,
+        self.down_proj = ReplicatedLinear(width, cfg.hidden_size,
                                           prefix=f"{prefix}.down_proj", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,10 +39,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethodBase, dtype, device, prefix: str):
+    def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethodBase, dtype, device, prefix: str,
+                 moe_method: FusedMoEMethodBase | None = None):
         super().__init__()
         self.self_attn = Attention(cfg, idx, method, dtype, device, f"{prefix}.self_attn")
-        self.mlp = MLP(cfg, method, dtype, device, f"{prefix}.mlp")
+        self.is_moe = cfg.is_moe_layer(idx)
+        if self.is_moe:
+            shared = (MLP(cfg, method, dtype, device, f"{prefix}.mlp.shared_expert", cfg.shared_expert_intermediate_size)
+                      if cfg.shared_expert_intermediate_size else None)
+            self.mlp = SparseMoeBlock(cfg, cfg.moe_layers.index(idx), moe_method or UnquantizedFusedMoEMethod(),
+                                      dtype, device, f"{prefix}.mlp", shared_expert=shared)
+        else:
+            self.mlp = MLP(cfg, method, dtype, device, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -49,15 +62,16 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, ctx)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return (self.mlp(h, ctx) if self.is_moe else self.mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device,
+                 moe_method: FusedMoEMethodBase | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, method, dtype, device, f"model.layers.{i}") for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, method, dtype, device, f"model.layers.{i}", moe_method) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, max_seq_len, dtype, device)
 
@@ -72,7 +86,14 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """The causal LM. ``packed_modules_mapping``: HF q/k/v and gate/up module names ->
-    (fused module, shard id); ``hybridrl.rollout.weight_routes`` builds every route from it."""
+    (fused module, shard id); ``hybridrl.rollout.weight_routes`` builds every route from it
+    (fused experts route their own weights, ``layers/fused_moe.py``).
+
+    ``moe_method``: how MoE experts are stored; default: what the linear method carries as
+    ``method.moe_method`` (set by ``layers.quantization.get_linear_method``), else unquantized.
+    """
+
+    routing_recorder = None  # set by hybridrl.rollout.routing.enable_routing_record
 
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -82,10 +103,12 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device,
+                 moe_method: FusedMoEMethodBase | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, method, max_seq_len, dtype, device)
+        moe_method = moe_method or getattr(method, "moe_method", None)
+        self.model = DecoderModel(cfg, method, max_seq_len, dtype, device, moe_method)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied)
 
