@@ -97,7 +97,8 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling; -1 = off")
     top_p: float = _f(1.0, "top-p (nucleus) sampling; 1.0 = off")
     max_tokens: int = _f(8, "max new tokens per response")
-    quantization: str | None = _f(None, "rollout weights: None | fp8 | fp8_block")
+    quantization: str | None = _f(None, "rollout weights: null | fp8 | fp8_block (dense linears) | mxfp4 (MoE experts) "
+                                        "| fp8+mxfp4 | fp8_block+mxfp4")
     enforce_eager: bool = _f(False, "disable CUDA-graph decode")
     backend: str = _f("builtin", "rollout engine: builtin | vllm (in-process vLLM, `pip install 'hybridrl[vllm]'`; "
                                  "docs/vllm.md)")
@@ -112,8 +113,11 @@ class RolloutConfig:
                            max_tokens=self.max_tokens, n=self.n)
         except ValueError as e:
             raise ConfigError(str(e).replace("SamplingParams.", "rollout.")) from None
-        if self.quantization not in (None, "fp8", "fp8_block"):
-            raise ConfigError(f"rollout.quantization={self.quantization!r}: use null, fp8 or fp8_block")
+        from hybridrl.rollout.layers.quantization import QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"rollout.quantization={self.quantization!r}: use null, fp8 or fp8_block (dense "
+                              "linears), mxfp4 (MoE experts), or fp8+mxfp4 / fp8_block+mxfp4")
         if self.backend not in ("builtin", "vllm"):
             raise ConfigError(f"rollout.backend={self.backend!r}: use builtin or vllm")
         if self.backend == "vllm" and self.quantization is not None:

@@ -37,7 +37,21 @@ def check_announced(routes, names: Iterable[str]) -> None:
     for n in names:
         (dup if n in seen else seen).add(n)
     seen -= routes.ignored
-    _raise_if("announced refit", missing=routes.expected - seen, unknown=seen - routes.expected, duplicate=dup)
+    unknown = {n for n in seen if n not in routes}
+    # a fused weight may come as its per-expert pieces (MoE checkpoints): the route table
+    # says which names cover which weight, and a weight sent in both forms is a duplicate
+    dup |= set(_overlapping(routes, seen - unknown))
+    _raise_if("announced refit", missing=_missing(routes, seen - unknown), unknown=unknown, duplicate=dup)
+
+
+def _missing(routes, written: set[str]) -> set[str]:
+    missing = getattr(routes, "missing", None)
+    return missing(written) if missing is not None else routes.expected - written
+
+
+def _overlapping(routes, names: set[str]) -> set[str]:
+    overlapping = getattr(routes, "overlapping", None)
+    return set(overlapping(names)) if overlapping is not None else set()
 
 
 def check_bucket(routes, named: list[tuple[str, torch.Tensor]], written: set[str]
@@ -48,7 +62,7 @@ def check_bucket(routes, named: list[tuple[str, torch.Tensor]], written: set[str
     for name, t in named:
         if name in routes.ignored:
             continue
-        if name not in routes.expected:
+        if name not in routes:
             unknown.add(name)
             continue
         if name in seen or name in written:

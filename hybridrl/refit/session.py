@@ -101,7 +101,7 @@ class Refit:
     def finish(self) -> RefitStats:
         """Close the engine's update (layouts, then caches, then ``verify``); it advances the version."""
         self._expect(State.LOADING, "finish")
-        missing = self.routes.expected - self.written
+        missing = N._missing(self.routes, self.written)
         self.state = State.FAILED  # until every step below succeeded
         if missing:
             self.engine.abort_weight_update()  # layouts and caches consistent, version unchanged

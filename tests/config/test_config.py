@@ -35,7 +35,7 @@ def test_override_types_parse_as_yaml():
     (["logging.plot=3"], "expected true or false"),
     (["trainer.mini_batch_size=7"], "does not divide the batch"),
     (["rollout.n=1", "trainer.mini_batch_size=32"], "set rollout.n >= 2"),
-    (["rollout.quantization=int4"], "use null, fp8 or fp8_block"),
+    (["rollout.quantization=int4"], "use null, fp8 or fp8_block"),  # also names mxfp4
     (["rollout.top_p=0"], "rollout.top_p"),
     (["data.operations=/"], "data.operations"),
     (["optim.betas=[0.9]"], "give two numbers"),

@@ -331,8 +331,6 @@ def test_expected_held_equals_held_for_fused_and_per_expert_routes():
             assert torch.equal(engine.weight_routes[n].held(), want), n
 
 
-@pytest.mark.xfail(strict=True, raises=RefitError, reason="refit/names.py + session.py must count aliases (routes.missing, "
-                                       "`name in routes`): hook described in docs/moe.md")
 def test_refit_from_per_expert_names():
     cfg = make_moe_config("qwen3_moe")
     hf = make_moe_hf_model(cfg)
