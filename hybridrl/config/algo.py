@@ -123,11 +123,13 @@ class AlgoConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     dapo: DapoConfig = field(default_factory=DapoConfig)
     value: ValueConfig = field(default_factory=ValueConfig)
+    router_aux_loss_coef: float = _f(0.0, "MoE: weight of the router load-balancing loss (0 = off)")
 
     def __post_init__(self) -> None:
         from hybridrl.algos import LOSS_AGG_MODES
         from hybridrl.config.presets import PRESETS
 
         check_choice(self.loss_agg_mode, LOSS_AGG_MODES, "algo.loss_agg_mode")
+        check_number(self.router_aux_loss_coef, "algo.router_aux_loss_coef", low=0)
         if self.preset is not None:
             check_choice(self.preset, PRESETS, "algo.preset")

@@ -100,6 +100,8 @@ class RolloutConfig:
     quantization: str | None = _f(None, "rollout weights: null | fp8 | fp8_block (dense linears) | mxfp4 (MoE experts) "
                                         "| fp8+mxfp4 | fp8_block+mxfp4")
     enforce_eager: bool = _f(False, "disable CUDA-graph decode")
+    routing_replay: bool = _f(False, "MoE: record the engine's expert choices and replay them in the trainer's "
+                                     "forward (removes routing mismatch; built-in engine)")
     backend: str = _f("builtin", "rollout engine: builtin | vllm (in-process vLLM, `pip install 'hybridrl[vllm]'`; "
                                  "docs/vllm.md)")
 
@@ -120,6 +122,8 @@ class RolloutConfig:
                               "linears), mxfp4 (MoE experts), or fp8+mxfp4 / fp8_block+mxfp4")
         if self.backend not in ("builtin", "vllm"):
             raise ConfigError(f"rollout.backend={self.backend!r}: use builtin or vllm")
+        if self.backend == "vllm" and self.routing_replay:
+            raise ConfigError("rollout.routing_replay needs the built-in engine; set rollout.backend=builtin")
         if self.backend == "vllm" and self.quantization is not None:
             raise ConfigError(f"rollout.quantization={self.quantization} is built-in-engine only; with "
                               "rollout.backend=vllm set rollout.quantization=null")

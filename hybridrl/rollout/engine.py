@@ -36,7 +36,8 @@ class RolloutEngine:
 
     def __init__(self, hf_config: Any, *, max_batch_size: int, max_seq_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 quantization: str | None = None, enforce_eager: bool = False, compile_decode: bool = False):
+                 quantization: str | None = None, enforce_eager: bool = False, compile_decode: bool = False,
+                 record_routing: bool = False):
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"RolloutEngine: max_batch_size={max_batch_size} must be >= 1 and "
                              f"max_seq_len={max_seq_len} >= 2")
@@ -52,6 +53,13 @@ class RolloutEngine:
                                         dtype, self.device)
         # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
         self.runner = ModelRunner(self.model, max_batch_size, max_seq_len, dtype, self.device, compile_decode)
+        # MoE: record every token's experts for routing replay in the trainer (before any
+        # graph capture, so captured decode steps write the record buffers too)
+        self.routing_recorder = None
+        if record_routing:
+            from hybridrl.rollout.routing import enable_routing_record
+
+            self.routing_recorder = enable_routing_record(self)
         self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
         self._update = WeightUpdate(self.model, self.weight_routes)
         self._weight_version = 0  # written only by _commit_weight_update
@@ -170,9 +178,12 @@ class RolloutEngine:
         for i in range(0, len(requests), self.max_batch_size):
             chunk = requests[i:i + self.max_batch_size]
             results += run_batch(self.runner, chunk, self.config.vocab_size, sync_every, compact_at)
-        return build_rollouts([r.prompt for r in requests], [t for t, _, _ in results],
-                              [lp for _, lp, _ in results], [f for _, _, f in results],
-                              self.weight_version, self.pad_token_id)
+        rollouts = build_rollouts([r.prompt for r in requests], [t for t, _, _ in results],
+                                  [lp for _, lp, _ in results], [f for _, _, f in results],
+                                  self.weight_version, self.pad_token_id)
+        if self.routing_recorder is not None:
+            rollouts.routed_experts = self.routing_recorder.take(rollouts)
+        return rollouts
 
     def _make_requests(self, prompts: list[list[int]], params) -> list[Request]:
         if isinstance(params, SamplingParams):

@@ -29,6 +29,8 @@ class Rollouts:
     """[B, L] float32, sampling log-probs on response tokens, 0 elsewhere."""
     prompt_lengths: list[int]
     weight_version: int
+    routed_experts: torch.Tensor | None = None
+    """MoE with routing record: [B, L, n_moe_layers, k] int16 expert ids per fed token, -1 = none."""
 
 
 def build_rollouts(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],

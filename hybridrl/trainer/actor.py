@@ -14,7 +14,7 @@ import torch
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
 from hybridrl.config import KLConfig, OptimConfig, PolicyLossConfig
-from hybridrl.trainer.forward import compute_logprobs_entropy
+from hybridrl.trainer.forward import MoEForward, compute_logprobs_entropy, router_load_balancing_loss
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import shared_prefix_logprobs_entropy
 
@@ -50,12 +50,14 @@ class Actor:
 
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, policy_loss: PolicyLossConfig,
                  kl: KLConfig, loss_agg_mode: str, temperature: float, loss_scale_factor: float | None = None,
-                 max_tokens_per_microbatch: int = 8192, shared_prefix: bool = True):
+                 max_tokens_per_microbatch: int = 8192, shared_prefix: bool = True,
+                 router_aux_loss_coef: float = 0.0):
         self.model = model
         self.policy_loss, self.kl = policy_loss, kl
         self.loss_agg_mode, self.loss_scale_factor = loss_agg_mode, loss_scale_factor
         self.temperature = temperature
         self.shared_prefix = shared_prefix
+        self.router_aux_loss_coef = router_aux_loss_coef  # MoE load balancing (Switch Transformer), 0 = off
         self.grad_clip = optim.grad_clip
         self.max_tokens = max_tokens_per_microbatch
         self._optim = optim
@@ -81,10 +83,13 @@ class Actor:
         self.scheduler.load_state_dict(state["scheduler"])
 
     @torch.no_grad()
-    def compute_log_prob(self, input_ids, attention_mask, response_mask, *, with_entropy: bool = False):
-        """Log-probs ``[B, L]`` float32 (and entropy) of the current weights, no grad."""
+    def compute_log_prob(self, input_ids, attention_mask, response_mask, *, with_entropy: bool = False,
+                         routed_experts=None):
+        """Log-probs ``[B, L]`` float32 (and entropy) of the current weights, no grad
+        (``routed_experts``: MoE expert choices of the engine to replay)."""
         return logprobs_in_microbatches(self.model, input_ids, attention_mask, response_mask,
                                         temperature=self.temperature, max_tokens=self.max_tokens,
+                                        routed_experts=routed_experts,
                                         with_entropy=with_entropy)
 
     def update(self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int,
@@ -117,7 +122,10 @@ class Actor:
         lengths = mb["attention_mask"].sum(-1)
         # Shared-prefix forward when rows carry their group and the mini-batch is one
         # micro-batch (groups must stay together); else token-budgeted padded micro-batches.
-        shared = self.shared_prefix and "group" in mb and int(lengths.sum()) <= self.max_tokens
+        # (MoE replay and the router loss need every token through the plain packed forward)
+        moe_extras = "routed_experts" in mb or self.router_aux_loss_coef > 0
+        shared = (self.shared_prefix and not moe_extras and "group" in mb
+                  and int(lengths.sum()) <= self.max_tokens)
         micros = [list(range(len(lengths)))] if shared else self._micro(lengths)
         masks = [mb["response_mask"][m] for m in micros]
         info = algos.GlobalBatchInfo.from_masks(masks)
@@ -134,9 +142,12 @@ class Actor:
                     self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
                     micro["prompt_len"], micro["group"], temperature=temperature)
             else:
+                moe = (MoEForward(routed_experts=micro.get("routed_experts"),
+                                  router_logits=[] if self.router_aux_loss_coef > 0 else None)
+                       if moe_extras else None)
                 log_prob, entropy = compute_logprobs_entropy(
                     self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
-                    temperature=temperature, compute_entropy=True)
+                    temperature=temperature, compute_entropy=True, moe=moe)
             # On-policy fast path: without a separate old-log-prob pass, the policy that
             # sampled is the one being updated, so old = current (detached), ratio = 1.
             old_log_prob = micro.get("old_log_prob", log_prob.detach())
@@ -161,6 +172,10 @@ class Actor:
                                                    response_mask=micro["response_mask"], kind=kl.estimator, **agg)
                 loss = loss + kl.coef * kl_loss
                 metrics["actor/kl_loss"] = float(kl_loss.detach())
+            if self.router_aux_loss_coef > 0 and not shared:
+                aux = router_load_balancing_loss(self.model, moe.router_logits)
+                loss = loss + self.router_aux_loss_coef * aux * (w / total_w)  # this micro-batch's share
+                metrics["actor/router_aux_loss"] = float(aux.detach()) * w / total_w
             loss.backward()
             for k, v in metrics.items():
                 acc[k] = acc.get(k, 0.0) + v

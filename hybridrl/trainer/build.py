@@ -146,10 +146,12 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
                             dtype=dtype, device=device, seed=t.seed)
     else:
         engine = RolloutEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
-                               dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager)
+                               dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager,
+                               record_routing=r.routing_replay)
     actor = Actor(model, optim=cfg.optim, policy_loss=a.policy_loss, kl=a.kl, loss_agg_mode=a.loss_agg_mode,
                   temperature=r.temperature, loss_scale_factor=float(r.max_tokens),
-                  max_tokens_per_microbatch=t.max_tokens_per_microbatch, shared_prefix=t.shared_prefix)
+                  max_tokens_per_microbatch=t.max_tokens_per_microbatch, shared_prefix=t.shared_prefix,
+                  router_aux_loss_coef=a.router_aux_loss_coef)
     eos = tokenizer.eos_token_id
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
                               stop_token_ids=(eos,) if eos is not None else (), n=r.n)

@@ -16,6 +16,7 @@ are removed here:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -125,11 +126,14 @@ def _backbone(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, model.base_model_prefix)
 
 
-def _packed_hidden(model, ids_g, mask_g, backend) -> torch.Tensor:
-    """Hidden states ``[T_g, D]`` of one micro-batch's real tokens, in unpad order."""
+def _packed_hidden(model, ids_g, mask_g, backend, routed_g=None, moe=None) -> torch.Tensor:
+    """Hidden states ``[T_g, D]`` of one micro-batch's real tokens, in unpad order.
+    ``routed_g [n, L, layers, k]``: recorded expert ids of these rows (MoE replay)."""
     u = unpad_indices(mask_g)
     ids = unpad(ids_g, u)  # (T_g,)
     backbone = _backbone(model)
+    extra = {"output_router_logits": True} if moe is not None and moe.wants_logits else {}
+    real_routing = None if routed_g is None else routed_g[mask_g.bool()]  # (T_g, layers, k), unpad order
     if backend == "bucketed":
         # Re-pad right-aligned to this group's longest row: right padding + is_causal is
         # exact for real tokens (they never see a later pad), so no mask at all.
@@ -138,8 +142,15 @@ def _packed_hidden(model, ids_g, mask_g, backend) -> torch.Tensor:
         flat = row * u.max_seqlen + u.position_ids  # (T_g,) into (n, L_g)
         dense = ids.new_zeros(len(lengths) * u.max_seqlen).index_put_((flat,), ids)
         dense = dense.view(len(lengths), u.max_seqlen)  # (n, L_g)
-        hidden = backbone(input_ids=dense, use_cache=False).last_hidden_state  # (n, L_g, D)
-        return hidden.flatten(0, 1)[flat]  # (T_g, D)
+        routing = None
+        if real_routing is not None:  # the dense layout's routing: recorded at real tokens, -1 at pads
+            routing = real_routing.new_full((dense.numel(), *real_routing.shape[1:]), -1)
+            routing = routing.index_put((flat,), real_routing)
+        with (moe.replay(model, routing) if moe is not None else contextlib.nullcontext()):
+            out = backbone(input_ids=dense, use_cache=False, **extra)
+        if extra:
+            moe.router_logits.append(tuple(r[flat] for r in out.router_logits))
+        return out.last_hidden_state.flatten(0, 1)[flat]  # (T_g, D)
     kwargs = {}
     if backend == "varlen":
         kwargs = dict(
@@ -147,7 +158,10 @@ def _packed_hidden(model, ids_g, mask_g, backend) -> torch.Tensor:
         )
     # block_diagonal: transformers sees restarting position_ids with no 2D mask and builds
     # a [1, 1, T, T] block-diagonal causal mask itself.
-    out = backbone(input_ids=ids[None], position_ids=u.position_ids[None], use_cache=False, **kwargs)
+    with (moe.replay(model, real_routing) if moe is not None else contextlib.nullcontext()):
+        out = backbone(input_ids=ids[None], position_ids=u.position_ids[None], use_cache=False, **kwargs, **extra)
+    if extra:
+        moe.router_logits.append(tuple(out.router_logits))
     return out.last_hidden_state[0]  # (T_g, D)
 
 
@@ -175,6 +189,7 @@ def compute_logprobs_entropy(
     compute_entropy: bool = True,
     max_tokens_per_microbatch: int | None = None,
     attn_backend: str = "auto",
+    moe: MoEForward | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the response tokens under ``model``.
 
@@ -194,6 +209,8 @@ def compute_logprobs_entropy(
             ``"block_diagonal"`` (one packed row, transformers' T×T mask), ``"bucketed"``
             (length-sorted padded micro-batches, is_causal, no mask) or ``"auto"``
             (varlen on CPU and with flash-attn on CUDA, else bucketed).
+        moe: MoE models only — replay recorded expert choices and/or collect the router
+            logits of the real tokens (for the load-balancing loss); see :class:`MoEForward`.
     Returns:
         ``(logprobs, entropy)``, both ``[B, L]`` float32; ``logprobs[b, t] = log
         softmax(logits[b, t-1] / T)[input_ids[b, t]]`` where ``response_mask[b, t]``,
@@ -203,17 +220,43 @@ def compute_logprobs_entropy(
     if routed is not None:  # FSDP2-sharded: through a registered forward method (see distributed/fsdp.py)
         return routed(input_ids, attention_mask, response_mask, temperature=temperature, packed=packed,
                       vocab_chunk_tokens=vocab_chunk_tokens, compute_entropy=compute_entropy,
-                      max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend)
+                      max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend, moe=moe)
     return _logprobs_entropy(model, input_ids, attention_mask, response_mask, temperature=temperature,
                              packed=packed, vocab_chunk_tokens=vocab_chunk_tokens, compute_entropy=compute_entropy,
-                             max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend)
+                             max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend, moe=moe)
 
 
 FSDP_ROUTE = "hybridrl_fsdp_logprobs_entropy"
 
 
+@dataclass
+class MoEForward:
+    """What an MoE trainer forward does beyond the log-probs.
+
+    ``routed_experts``: ``[B, L, n_moe_layers, k]`` expert ids recorded by the engine for
+    these rows (-1 = none: the trainer's own choice), replayed in every backbone call
+    (Rollout Routing Replay; ``hybridrl.rollout.routing.replay_routing``).
+    ``router_logits``: when not None, the router logits of the real tokens are appended,
+    one tuple per backbone call, one ``[T, E]`` tensor per MoE layer (the aux loss input).
+    """
+
+    routed_experts: torch.Tensor | None = None
+    router_logits: list[tuple[torch.Tensor, ...]] | None = None
+
+    def replay(self, model, tokens_routing: torch.Tensor | None):
+        if self.routed_experts is None or tokens_routing is None:
+            return contextlib.nullcontext()
+        from hybridrl.rollout.routing import replay_routing
+
+        return replay_routing(model, tokens_routing)
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.router_logits is not None
+
+
 def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, temperature, packed, vocab_chunk_tokens,
-                      compute_entropy, max_tokens_per_microbatch, attn_backend):
+                      compute_entropy, max_tokens_per_microbatch, attn_backend, moe=None):
     if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
         raise ValueError(
             "compute_logprobs_entropy: input_ids, attention_mask and response_mask must share shape [B, L], got "
@@ -229,13 +272,20 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, temper
     source_flat = target_flat - 1  # hidden state at t-1 predicts token t
 
     if not packed:
-        hidden = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        routing = None if moe is None else moe.routed_experts
+        extra = {"output_router_logits": True} if moe is not None and moe.wants_logits else {}
+        with (moe.replay(model, routing) if moe is not None else contextlib.nullcontext()):
+            hidden = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        if extra:
+            real = attention_mask.flatten().bool()
+            moe.router_logits.append(tuple(r[real] for r in hidden.router_logits))
         hidden_all = hidden.last_hidden_state.flatten(0, 1)  # (B*L, D)
         lookup = torch.arange(batch * seq, device=input_ids.device)
     else:
         mean_len = float((attention_mask != 0).sum()) / max(batch, 1)
         backend = _resolve_backend(attn_backend, input_ids.device, lm_head.weight.dtype, mean_len)
-        hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend, max_tokens_per_microbatch)
+        hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend, max_tokens_per_microbatch,
+                                             moe)
 
     hidden_src = hidden_all[lookup[source_flat]]  # (N, D)
     logp, ent = chunked_logprobs_entropy(
@@ -247,7 +297,7 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, temper
     return logprobs, entropy
 
 
-def _packed_forward(model, input_ids, attention_mask, backend, max_tokens):
+def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=None):
     """Hidden states of all real tokens ``[T, D]`` and ``lookup [B*L]`` (flat -> row of it)."""
     batch, seq = input_ids.shape
     lengths = (attention_mask != 0).sum(dim=1)
@@ -260,7 +310,8 @@ def _packed_forward(model, input_ids, attention_mask, backend, max_tokens):
         for rows in groups:
             rows_t = torch.tensor(rows, device=input_ids.device)
             mask_g = attention_mask[rows_t]
-            hidden = _packed_hidden(model, input_ids[rows_t], mask_g, backend)  # (T_g, D)
+            routed_g = None if moe is None or moe.routed_experts is None else moe.routed_experts[rows_t]
+            hidden = _packed_hidden(model, input_ids[rows_t], mask_g, backend, routed_g, moe)  # (T_g, D)
             flat_g = unpad_indices(mask_g).indices  # (T_g,) into (n, L)
             flat = rows_t[flat_g // seq] * seq + flat_g % seq  # into (B, L)
             lookup[flat] = torch.arange(offset, offset + hidden.shape[0], device=input_ids.device)
@@ -268,3 +319,14 @@ def _packed_forward(model, input_ids, attention_mask, backend, max_tokens):
             offset += hidden.shape[0]
     return torch.cat(pieces), lookup
 
+
+
+def router_load_balancing_loss(model: torch.nn.Module, router_logits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The MoE load-balancing loss (Switch Transformer, Fedus et al. 2021; transformers'
+    ``load_balancing_loss_func``) over every real token of the backbone calls whose router
+    logits were collected (one tuple per call, one ``[T, E]`` per MoE layer)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    config = model.config
+    per_layer = tuple(torch.cat(layer) for layer in zip(*router_logits))
+    return load_balancing_loss_func(per_layer, config.num_experts, config.num_experts_per_tok)

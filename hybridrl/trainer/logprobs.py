@@ -6,30 +6,35 @@ from __future__ import annotations
 import torch
 
 from hybridrl.attention.packing import make_microbatches
-from hybridrl.trainer.forward import compute_logprobs_entropy
+from hybridrl.trainer.forward import MoEForward, compute_logprobs_entropy
 
 
 def trim_padding_columns(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop columns that are padding in every row of the micro-batch (rows are right-padded)."""
     L = int(micro["attention_mask"].sum(-1).max())
-    return {k: (v[:, :L] if v.dim() == 2 else v) for k, v in micro.items()}
+    return {k: (v[:, :L] if v.dim() >= 2 else v) for k, v in micro.items()}  # [B, L] and [B, L, layers, k]
 
 
 @torch.no_grad()
 def logprobs_in_microbatches(model, input_ids, attention_mask, response_mask, *, temperature: float,
-                             max_tokens: int, with_entropy: bool = False):
-    """Token-budgeted no-grad log-probs (and entropy) ``[B, L]`` float32 for a whole batch."""
+                             max_tokens: int, with_entropy: bool = False, routed_experts=None):
+    """Token-budgeted no-grad log-probs (and entropy) ``[B, L]`` float32 for a whole batch.
+    ``routed_experts [B, L, layers, k]``: MoE expert choices to replay (see forward.MoEForward)."""
     B, L = input_ids.shape
     logprobs = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logprobs) if with_entropy else None
     was_training = model.training
     model.eval()
     for rows in make_microbatches(attention_mask.sum(-1).tolist(), max_tokens):
-        micro = trim_padding_columns({"input_ids": input_ids[rows], "attention_mask": attention_mask[rows],
-                                      "response_mask": response_mask[rows]})
+        micro = {"input_ids": input_ids[rows], "attention_mask": attention_mask[rows],
+                 "response_mask": response_mask[rows]}
+        if routed_experts is not None:
+            micro["routed_experts"] = routed_experts[rows]
+        micro = trim_padding_columns(micro)
+        moe = MoEForward(routed_experts=micro["routed_experts"]) if routed_experts is not None else None
         lp, ent = compute_logprobs_entropy(model, micro["input_ids"], micro["attention_mask"],
                                            micro["response_mask"], temperature=temperature,
-                                           compute_entropy=with_entropy)
+                                           compute_entropy=with_entropy, moe=moe)
         width = lp.shape[1]
         logprobs[rows, :width] = lp
         if with_entropy:

@@ -24,8 +24,10 @@ class Reference:
 
     @torch.no_grad()
     def log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  response_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, L]`` float32 log-probs of the reference, aligned like ``Rollouts.logprobs``."""
+                  response_mask: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, L]`` float32 log-probs of the reference, aligned like ``Rollouts.logprobs``
+        (MoE: with the engine's expert choices replayed when ``routed_experts`` is given)."""
         lp, _ = logprobs_in_microbatches(self.model, input_ids, attention_mask, response_mask,
-                                         temperature=self.temperature, max_tokens=self.max_tokens)
+                                         temperature=self.temperature, max_tokens=self.max_tokens,
+                                         routed_experts=routed_experts)
         return lp

@@ -168,9 +168,11 @@ class RLStep:
         ro, metrics = sb.rollouts, {}
         if self.needs_old_log_prob():
             sb.tensors["old_log_prob"], _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask,
-                                                                        ro.response_mask)
+                                                                        ro.response_mask,
+                                                                        routed_experts=ro.routed_experts)
         if self.reference is not None:
-            ref = self.reference.log_probs(ro.input_ids, ro.attention_mask, ro.response_mask)
+            ref = self.reference.log_probs(ro.input_ids, ro.attention_mask, ro.response_mask,
+                                           routed_experts=ro.routed_experts)
             sb.tensors["ref_log_prob"] = ref
             # KL of the sampling policy to the reference (the engine's log-probs are the policy's)
             kl = algos.kl_penalty(ro.logprobs, ref, self.algo.kl.estimator)

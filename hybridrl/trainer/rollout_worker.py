@@ -83,4 +83,6 @@ class RolloutWorker:
     def _to_device(self, ro: Rollouts) -> Rollouts:
         for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
             setattr(ro, name, getattr(ro, name).to(self.device))
+        if ro.routed_experts is not None:
+            ro.routed_experts = ro.routed_experts.to(self.device)
         return ro

@@ -37,10 +37,13 @@ def row_tensors(ro: Rollouts, index: list[int]) -> dict[str, torch.Tensor]:
     """What the update reads per row: ``[B, L]`` tensors, plus ``prompt_len`` and ``group``
     ``[B]`` so the trainer can run each group's shared prompt once."""
     device = ro.input_ids.device
-    return {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "response_mask": ro.response_mask,
-            "rollout_log_prob": ro.logprobs,
-            "prompt_len": torch.tensor(ro.prompt_lengths, dtype=torch.long, device=device),
-            "group": torch.tensor(index, dtype=torch.long, device=device)}
+    out = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "response_mask": ro.response_mask,
+           "rollout_log_prob": ro.logprobs,
+           "prompt_len": torch.tensor(ro.prompt_lengths, dtype=torch.long, device=device),
+           "group": torch.tensor(index, dtype=torch.long, device=device)}
+    if ro.routed_experts is not None:  # MoE routing replay: [B, L, layers, k]
+        out["routed_experts"] = ro.routed_experts
+    return out
 
 
 def merge(a: StepBatch, b: StepBatch, *, pad_id: int) -> StepBatch:
@@ -54,9 +57,18 @@ def merge(a: StepBatch, b: StepBatch, *, pad_id: int) -> StepBatch:
                         ra.weight_version, pad_id)
     for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
         setattr(ro, name, getattr(ro, name).to(ra.input_ids.device))
+    if ra.routed_experts is not None and rb.routed_experts is not None:
+        L = ro.input_ids.shape[1]
+        ro.routed_experts = torch.cat([_pad_length(ra.routed_experts, L), _pad_length(rb.routed_experts, L)])
     sb = StepBatch.from_rollouts(a.batch_idx + b.batch_idx, a.index + [i + len(a.batch_idx) for i in b.index], ro)
     sb.failures = a.failures + b.failures
     sb.extras = a.extras  # batch means of the first round (the refill rounds' are not re-weighted)
     sb.raw_scores = torch.cat([a.raw_scores, b.raw_scores])
     sb.scores = torch.cat([a.scores, b.scores])
     return sb
+
+
+def _pad_length(routed: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, L, ...]`` routing padded with -1 (no record) to ``length`` columns."""
+    pad = routed.new_full((routed.shape[0], length - routed.shape[1], *routed.shape[2:]), -1)
+    return torch.cat([routed, pad], dim=1)

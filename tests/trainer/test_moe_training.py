@@ -43,3 +43,27 @@ def test_grpo_on_a_moe_policy(tmp_path, quantization):
     assert len(steps) == 2 and all(r["refit/weight_version"] == r["rollout/weight_version"] + 1 for r in steps)
     if quantization is None:  # float32 engine == float32 trainer, up to rounding
         assert all(r["rollout/trainer_logprob_abs_diff"] < 1e-4 for r in steps)
+
+
+def test_routing_replay_and_router_loss_in_training(tmp_path):
+    """With MXFP4 experts the engine's expert choices differ from the float32 trainer's;
+    replaying them closes most of the log-prob gap. The router loss is logged and finite."""
+    from hybridrl.trainer.loop import train
+
+    ckpt = _moe_checkpoint(tmp_path)
+    rows = "".join('{"prompt": "%d+%d=", "answer": "%d"}\n' % (a, b, a + b) for a in range(10, 30) for b in range(3))
+    (tmp_path / "train.jsonl").write_text(rows)
+    gaps = {}
+    for replay in (False, True):
+        cfg = load_config(None, [f"model.path={ckpt}", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+                                 "data.eval_size=4", "rollout.n=4", "rollout.max_tokens=4",
+                                 "trainer.prompts_per_step=8", "trainer.total_steps=1", "trainer.eval_every=1",
+                                 "rollout.quantization=mxfp4", f"rollout.routing_replay={str(replay).lower()}",
+                                 "algo.router_aux_loss_coef=0.01", "algo.kl.coef=0.01", "trainer.ppo_epochs=2",
+                                 "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
+                                 "trainer.save_checkpoint=false", f"trainer.output_dir={tmp_path}",
+                                 f"trainer.run_name=replay{replay}"])
+        step = [r for r in train(cfg).history if "reward/mean" in r][0]
+        gaps[replay] = step["rollout/trainer_logprob_abs_diff"]
+        assert step["actor/router_aux_loss"] > 0
+    assert gaps[True] < gaps[False], gaps
