@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+import contextlib
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -26,3 +27,19 @@ class RolloutBackend(Protocol):
     def finish_weight_update(self, check=None) -> int: ...
 
     def abort_weight_update(self) -> None: ...
+
+
+class WeightUpdateBracket:
+    """``with engine.weight_update(check=...): engine.load_weights(bucket) ...`` for any
+    backend with ``begin_weight_update`` / ``finish_weight_update`` / ``abort_weight_update``:
+    finish on a clean exit, abort on an exception."""
+
+    @contextlib.contextmanager
+    def weight_update(self, check: Callable[[], None] | None = None) -> Iterator["WeightUpdateBracket"]:
+        self.begin_weight_update()
+        try:
+            yield self
+        except BaseException:
+            self.abort_weight_update()
+            raise
+        self.finish_weight_update(check)

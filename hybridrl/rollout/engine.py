@@ -9,7 +9,6 @@ CUDA graphs at the first complete update, whichever path it came through (a firs
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -21,13 +20,14 @@ from hybridrl.rollout.layers.quantization import get_linear_method
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
+from hybridrl.rollout.backend import WeightUpdateBracket
 from hybridrl.rollout.rollouts import Rollouts, build_rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.weight_routes import WeightRoutes
 from hybridrl.rollout.weight_update import WeightUpdate
 
 
-class RolloutEngine:
+class RolloutEngine(WeightUpdateBracket):
     """Fused-weight Llama/Qwen2/Qwen3 decoder + static KV cache + sampler (+ CUDA graphs).
 
     Weights are uninitialized until the first complete weight update (`load_weights`,
@@ -115,18 +115,6 @@ class RolloutEngine:
     def abort_weight_update(self) -> None:
         """Close an open update without committing (layouts and caches made consistent)."""
         self._update.abort()
-
-    @contextlib.contextmanager
-    def weight_update(self, check: Callable[[], None] | None = None):
-        """``with engine.weight_update(): engine.load_weights(bucket) ...`` — finish on a
-        clean exit, abort on an exception."""
-        self.begin_weight_update()
-        try:
-            yield self
-        except BaseException:
-            self.abort_weight_update()
-            raise
-        self.finish_weight_update(check)
 
     def _commit_weight_update(self) -> int:
         self._weight_version += 1

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from hybridrl.rollout.backend import WeightUpdateBracket
 from hybridrl.rollout.rollouts import Rollouts, build_rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.weight_update import WeightUpdateError
@@ -64,7 +65,7 @@ PROBE_ROWS = 4  # random input rows of the post-reload check of each packed laye
 PROBE_RTOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-class VllmEngine:
+class VllmEngine(WeightUpdateBracket):
     """vLLM's ``LLM`` in this process, driven from token ids; weights through the bracket.
 
     ``hf_config``: a transformers config (or a checkpoint directory to read it from). The
@@ -218,18 +219,6 @@ class VllmEngine:
     def abort_weight_update(self) -> None:
         """Close an open update without touching vLLM (it keeps the previous weights)."""
         self._staged = None
-
-    @contextlib.contextmanager
-    def weight_update(self, check: Callable[[], None] | None = None):
-        """``with engine.weight_update(): engine.load_weights(bucket) ...`` — finish on a
-        clean exit, abort on an exception."""
-        self.begin_weight_update()
-        try:
-            yield self
-        except BaseException:
-            self.abort_weight_update()
-            raise
-        self.finish_weight_update(check)
 
     def _stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         routes, staged = self.weight_routes, self._staged
