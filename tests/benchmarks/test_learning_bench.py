@@ -68,8 +68,13 @@ def test_headline_target_and_ratio():
     h = bench.headline([(0, 0.2, 0), (30, 0.3, 10), (60, 0.4, 20)], [(0, 0.2, 0), (30, 0.5, 5), (60, 0.6, 9)],
                        budget=60)
     assert h["bound"] == "<=" and h["ours"] == 60 and h["trl"] == 60 and h["ratio"] == 1.0
-    # TRL never improves on the warm start: both "reach" it at 0, no ratio
-    h = bench.headline(ours, [(0, 0.2, 0), (30, 0.1, 5)], budget=30)
-    assert math.isnan(h["ratio"])
+    # TRL never improves on the warm start: the target is our best (capped), TRL never reaches it
+    h = bench.headline(ours[:2], [(0, 0.2, 0), (30, 0.1, 5)], budget=30)
+    assert h["target"] == 0.6 and h["ours"] == 30 and h["trl"] == 30 and h["bound"] == ">=" and h["ratio"] == 1.0
+    # neither side improves: no ratio
+    h = bench.headline([(0, 0.2, 0), (30, 0.2, 5)], [(0, 0.2, 0), (30, 0.1, 5)], budget=30)
+    assert math.isnan(h["ratio"]) and h["ours"] is None
+    # the start (t = 0) never counts as reaching the target
+    assert bench.time_to(ours, 0.2) == 30
     assert bench.time_to(ours, 0.95) == 90 and bench.time_to(ours, 0.99) is None
     assert "ours acc" in bench.side_by_side(ours, trl)
