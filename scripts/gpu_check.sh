@@ -8,7 +8,12 @@
 #   2. cuda_paths: benchmarks/cuda_paths.py (graph replay vs eager decode step, decode cost at
 #      max_seq_len 4096 vs 512, refit GB/s vs copy_; replay == eager bitwise);
 #   3. e2e: scripts/gpu_e2e.py, 5 GRPO steps of the default job on CUDA, bf16 and FP8
-#      rollout, refit_verify on, asserting the decode graphs were captured and replayed.
+#      rollout, refit_verify on, asserting the decode graphs were captured and replayed;
+#   4. vllm_cuda: the `cuda` tests of tests/vllm (rollout.backend=vllm: FP8 graph replay after
+#      verified refits == eager, sleep/wake around a refit frees the KV cache and keeps
+#      addresses, 2 GRPO steps with FP8 + free_cache_engine). Skipped (not failed) when the
+#      image has no CUDA build of vLLM; kept apart from step 1 so its engine starts (one
+#      vLLM engine per process, built one after another) cannot eat step 1's time.
 # Then a one-screen summary: each CUDA test and benchmark row, PASS/FAIL.
 # Usage on the device machine: bash scripts/gpu_check.sh   (logs + JSON rows in ${OUT:-gpu_out}/)
 # Locally (CPU): PYTHON=.venv/bin/python bash scripts/gpu_check.sh  -> CUDA tests skip, bench/e2e fail fast.
@@ -20,8 +25,10 @@ mkdir -p "$OUT"
 # of our dependencies, and no network: run from the source tree, install nothing.
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# Limits (s), worst case 25+200+100+110+15 + 4*5 kill grace = 470 s < 8 min.
-T_ENV=${T_ENV:-25} T_TESTS=${T_TESTS:-200} T_BENCH=${T_BENCH:-100} T_E2E=${T_E2E:-110} T_SUMMARY=15
+# Limits (s), worst case 25+180+100+110+120+15 + 5*5 kill grace = 575 s < 10 min (the device
+# tool's per-command cap).
+T_ENV=${T_ENV:-25} T_TESTS=${T_TESTS:-180} T_BENCH=${T_BENCH:-100} T_E2E=${T_E2E:-110} T_VLLM=${T_VLLM:-120}
+T_SUMMARY=15
 START=$SECONDS
 declare -A RC SECS
 
@@ -48,19 +55,25 @@ except Exception as e: print('flash_attn: absent (', type(e).__name__, ')')
 try:
     import triton; print('triton', triton.__version__)
 except Exception as e: print('triton: absent')
+import importlib.util
+print('vllm', 'present' if importlib.util.find_spec('vllm') else 'absent (tests/vllm cuda tests will skip)')
 "
 TIMEOUT_OPT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT=(--timeout=90)  # per test, where installed
 step cuda_tests "$T_TESTS" "$PY" -m pytest -v -m cuda -rs -p no:cacheprovider --continue-on-collection-errors ${TIMEOUT_OPT[@]+"${TIMEOUT_OPT[@]}"} \
-  --junitxml="$OUT/cuda_tests.xml" tests
+  --junitxml="$OUT/cuda_tests.xml" --ignore=tests/vllm tests
 step cuda_paths "$T_BENCH" "$PY" benchmarks/cuda_paths.py --device cuda --json "$OUT/cuda_paths.json"
 step e2e "$T_E2E" "$PY" scripts/gpu_e2e.py --device cuda --steps 5 --out "$OUT"
+VLLM_TIMEOUT_OPT=()  # a test builds up to two vLLM engines, one after the other
+"$PY" -c "import pytest_timeout" 2>/dev/null && VLLM_TIMEOUT_OPT=(--timeout=110)
+step vllm_cuda "$T_VLLM" "$PY" -m pytest -v -m cuda -rs -p no:cacheprovider ${VLLM_TIMEOUT_OPT[@]+"${VLLM_TIMEOUT_OPT[@]}"} \
+  --junitxml="$OUT/vllm_cuda.xml" tests/vllm
 
-timeout "$T_SUMMARY" "$PY" - "$OUT" "${RC[cuda_tests]}" "${RC[cuda_paths]}" "${RC[e2e]}" \
+timeout "$T_SUMMARY" "$PY" - "$OUT" "${RC[cuda_tests]}" "${RC[cuda_paths]}" "${RC[e2e]}" "${RC[vllm_cuda]}" \
   "$((SECONDS - START))" <<'EOF'
 import json, re, sys
 from pathlib import Path
-out, rc_tests, rc_bench, rc_e2e, total = Path(sys.argv[1]), *map(int, sys.argv[2:6])
+out, rc_tests, rc_bench, rc_e2e, rc_vllm, total = Path(sys.argv[1]), *map(int, sys.argv[2:7])
 ok = True
 def mark(good): return "PASS" if good else "FAIL"
 print(f"==== gpu_check summary ({total} s) ====")
@@ -105,6 +118,19 @@ for r in runs:
               f"v{r.get('weight_version')}")
     print(f"  {mark(r.get('ok'))} {r['case']}: " + (detail if r.get("ok") else "; ".join(r.get("problems", []))[:100]))
 ok &= rc_e2e == 0 and len(runs) == 2 and all(r.get("ok") for r in runs)
+# 4. the vLLM backend's CUDA tests (all skipped when the image has no CUDA vLLM: not a failure)
+log = (out / "vllm_cuda.log").read_text(errors="replace") if (out / "vllm_cuda.log").exists() else ""
+vllm = {m.group(1): m.group(2) for m in re.finditer(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", log, re.M)}
+print(f"vllm cuda tests (rc {rc_vllm}): " + ", ".join(f"{sum(v == k for v in vllm.values())} {k.lower()}"
+                                                   for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")))
+for name, status in vllm.items():
+    print(f"  {'PASS' if status == 'PASSED' else 'SKIP' if status == 'SKIPPED' else 'FAIL'} "
+          f"{name.replace('tests/', '')[:100]}")
+for reason in sorted({m.group(1) for m in re.finditer(r"^SKIPPED \[\d+\] \S+: (.*)$", log, re.M)}):
+    print(f"  skip reason: {reason[:100]}")
+if rc_vllm in (124, 137):
+    print("  FAIL (timed out: the tests after the last one listed never ran)")
+ok &= rc_vllm == 0
 print(f"==== {'ALL PASS' if ok else 'FAILURES (see the logs in ' + str(out) + ')'} ====")
 sys.exit(0 if ok else 1)
 EOF

@@ -104,6 +104,8 @@ class RolloutConfig:
                                      "forward (removes routing mismatch; built-in engine)")
     backend: str = _f("builtin", "rollout engine: builtin | vllm (in-process vLLM, `pip install 'hybridrl[vllm]'`; "
                                  "docs/vllm.md)")
+    free_cache_engine: bool = _f(False, "vllm backend: sleep the engine after sampling (KV cache freed, weights "
+                                        "offloaded to host) until the refit wakes it; frees GPU memory for the update")
 
     def __post_init__(self) -> None:
         from hybridrl.rollout.sampling_params import SamplingParams
@@ -124,9 +126,12 @@ class RolloutConfig:
             raise ConfigError(f"rollout.backend={self.backend!r}: use builtin or vllm")
         if self.backend == "vllm" and self.routing_replay:
             raise ConfigError("rollout.routing_replay needs the built-in engine; set rollout.backend=builtin")
-        if self.backend == "vllm" and self.quantization is not None:
+        if self.backend == "vllm" and self.quantization not in (None, "fp8"):
             raise ConfigError(f"rollout.quantization={self.quantization} is built-in-engine only; with "
-                              "rollout.backend=vllm set rollout.quantization=null")
+                              "rollout.backend=vllm use null or fp8")
+        if self.free_cache_engine and self.backend != "vllm":
+            raise ConfigError("rollout.free_cache_engine sleeps a vLLM engine; set rollout.backend=vllm "
+                              "(the built-in engine's static KV cache stays allocated)")
 
 
 @dataclass(kw_only=True)
@@ -254,6 +259,9 @@ class Config:
         estimator = self.algo.advantage.estimator
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
             raise ConfigError(f"algo.advantage.estimator={estimator} needs groups: set rollout.n >= 2")
+        if self.rollout.backend == "vllm" and self.rollout.quantization and self.model.dtype != "bfloat16":
+            raise ConfigError(f"rollout.quantization={self.rollout.quantization} with rollout.backend=vllm needs "
+                              "model.dtype=bfloat16 (vLLM's online FP8 runs bf16 activations)")
         if self.rollout.temperature == 0 and self.rollout.n > 1:
             raise ConfigError("rollout.temperature=0 makes all rollout.n samples of a prompt identical "
                               "(zero advantage); use a temperature > 0")

@@ -143,7 +143,8 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
         from hybridrl.vllm_backend import VllmEngine
 
         engine = VllmEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
-                            dtype=dtype, device=device, seed=t.seed)
+                            dtype=dtype, device=device, seed=t.seed, quantization=r.quantization,
+                            enforce_eager=r.enforce_eager, free_cache_engine=r.free_cache_engine)
     else:
         engine = RolloutEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
                                dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager,

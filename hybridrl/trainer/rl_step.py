@@ -92,6 +92,8 @@ class RLStep:
             sb, rounds = self.refill(sb, rng, timer)
             metrics["batch/refill_rounds"] = float(rounds)
         self.rollout.check_on_policy(sb.rollouts)
+        with timer.phase("rollout"):
+            self.rollout.release_memory()  # sampling is done until the refit (rollout.free_cache_engine)
         with timer.phase("log_probs"):
             metrics.update(self.log_probs(sb))
         with timer.phase("advantages"):

@@ -53,6 +53,14 @@ class RolloutWorker:
         self.expected_version = self.version
         return stats
 
+    def release_memory(self) -> None:
+        """Sampling is done until the next refit: an engine that can sleep (vLLM with
+        ``rollout.free_cache_engine``) frees its KV cache and offloads its weights for the
+        update; the refit wakes it. A no-op for the built-in engine."""
+        sleep = getattr(self.engine, "sleep", None)
+        if sleep is not None:
+            sleep()
+
     def restore(self, model: torch.nn.Module, *, version: int) -> None:
         """After a resume: refit from the restored ``model`` and continue at ``version``."""
         self.refit(model)

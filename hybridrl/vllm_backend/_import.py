@@ -25,9 +25,11 @@ def import_vllm():
 
     Sets, before the first import, what this backend needs and what a trainer sharing the
     process expects: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-    no spawn, no core binding), and vLLM logs warnings only (``VLLM_LOGGING_LEVEL``, which
-    a user may set otherwise)."""
+    no spawn, no core binding), its V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``: the
+    engine's full-vocabulary log-prob processor is a V1 logits processor; 0.32 picks V2 on
+    CUDA), and vLLM logs warnings only (``VLLM_LOGGING_LEVEL``, which a user may set otherwise)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm

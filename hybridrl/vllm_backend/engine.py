@@ -17,33 +17,36 @@ built-in engine's:
   packing), then checks the reload (below), then the caller's ``check`` (refit's
   verifier); only then ``weight_version += 1``. An incomplete update (or ``abort``) never
   touched vLLM: the engine keeps serving the previous weights, version unchanged.
-- **A reload is checked every time** (it reads each weight twice): each packed linear layer's
-  output on a fixed random input must match ``x @ W_sentᵀ`` (fused shards in their rows),
-  and every other weight must equal what was sent, bit for bit. If the reload raises or this
-  check (or the caller's) fails, the engine holds weights it cannot vouch for: it refuses to
-  generate (``WeightUpdateError`` naming the failure) until a complete update succeeds.
+- **A reload is checked every time** (reload_check.py; it reads each weight twice): each
+  packed linear layer's output on a fixed input must match ``x @ Wᵀ`` of what it must hold
+  (fused shards in their rows; FP8: the sent weight's quantization), and every other weight
+  must equal what was sent, bit for bit. If the reload raises or this check (or the
+  caller's) fails, the engine holds weights it cannot vouch for: it refuses to generate
+  (``WeightUpdateError`` naming the failure) until a complete update succeeds.
+- **FP8** (``quantization="fp8"``): vLLM's online per-channel FP8 (fp8.py); its reload
+  re-quantizes from the bf16 tensors sent, into the same storage.
+- **Colocation** (``free_cache_engine=True``): :meth:`sleep` frees the KV cache and offloads
+  the weights for the trainer's update; ``finish_weight_update`` wakes the weights before the
+  reload and the KV cache after it (sleep.py).
 
-**Sampling log-probs**: vLLM runs with ``logprobs_mode="processed_logprobs"``, which is
-``log_softmax(logits / T)`` of the full vocabulary — our definition (docs/interfaces.md) —
-*when top-k / top-p are off* (the RL default), and ``log_softmax(logits)`` for greedy rows.
-With top-k < vocab or top-p < 1 vLLM renormalizes over the kept tokens (the sampling
-distribution itself), which is above ours by ``-log(kept mass)``; a warning says so once.
+**Sampling log-probs**: ``log_softmax(logits / T)`` of the full vocabulary *before* top-k /
+top-p — our definition (docs/interfaces.md) — and ``log_softmax(logits)`` for greedy rows:
+vLLM reports the sampled token's raw logit (``logprobs_mode="raw_logits"``) and a logits
+processor records each row's ``logsumexp(logits / T)`` (full_vocab_logprobs.py).
 
 **Process state**: vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 Every call into it restores torch's thread count, ``torch.set_num_threads`` and the global
 RNG states (``isolation.py``). The KV cache is sized from ``max_batch_size x max_seq_len``
-(``kv_cache_memory_bytes``), never from free host memory.
+(``kv_cache_memory_bytes``), never from free host memory. vLLM's V1 model runner is selected
+(``VLLM_USE_V2_MODEL_RUNNER=0``, _import.py): the logits processor above is a V1 one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import shutil
 import tempfile
 import time
-import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -52,17 +55,17 @@ from hybridrl.rollout.backend import WeightUpdateBracket
 from hybridrl.rollout.rollouts import Rollouts, build_rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.weight_update import WeightUpdateError
+from hybridrl.vllm_backend import full_vocab_logprobs as fvl
 from hybridrl.vllm_backend._import import import_vllm
+from hybridrl.vllm_backend.fp8 import vllm_quantization
 from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state
+from hybridrl.vllm_backend.reload_check import reload_mismatches
 from hybridrl.vllm_backend.routes import VllmWeightRoutes
+from hybridrl.vllm_backend.sleep import EngineSleep
+from hybridrl.vllm_backend.state_tensors import derived_tensor_attributes
 
 TRAINER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-PROBE_ROWS = 4  # random input rows of the post-reload check of each packed layer
-# max |engine - reference| of that check, relative to the shard's largest reference output: kernel
-# rounding is far below this (float32: ~1e-6; low precision: the output's rounding); a
-# wrong, stale or swapped shard is O(1).
-PROBE_RTOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 class VllmEngine(WeightUpdateBracket):
@@ -71,26 +74,28 @@ class VllmEngine(WeightUpdateBracket):
     ``hf_config``: a transformers config (or a checkpoint directory to read it from). The
     engine starts with placeholder weights (``load_format="dummy"``) and ``weight_version``
     0; the first complete update (``load_weights``, ``from_pretrained`` or a refit) makes it 1.
+    ``quantization``: None or "fp8" (vLLM's online per-channel FP8; bf16 / fp16 only).
+    ``free_cache_engine``: :meth:`sleep` frees the KV cache until the next weight update.
+    ``enforce_eager``: False captures vLLM's CUDA graphs (CUDA only; CPU always runs eager).
     """
 
     def __init__(self, hf_config: Any, *, max_batch_size: int, max_seq_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 quantization: str | None = None, enforce_eager: bool = True,
+                 quantization: str | None = None, enforce_eager: bool = True, free_cache_engine: bool = False,
                  kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, check_reload: bool = True, **llm_kwargs):
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"VllmEngine: max_batch_size={max_batch_size} must be >= 1 and "
                              f"max_seq_len={max_seq_len} >= 2")
-        if quantization is not None:
-            raise NotImplementedError(f"VllmEngine: quantization={quantization!r} is not supported yet "
-                                      "(FP8 rollout runs on the built-in engine: rollout.backend=builtin)")
+        on_cpu = torch.device(device).type == "cpu"
+        vllm_quant = vllm_quantization(quantization, dtype, on_cpu)  # one-line ValueError first
         if dtype not in _VLLM_DTYPES:
             raise ValueError(f"VllmEngine: dtype {dtype} not supported; use one of {list(_VLLM_DTYPES)}")
         if isinstance(hf_config, str):
             from transformers import AutoConfig
             hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
         self.hf_config = hf_config
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device, self.quantization = dtype, torch.device(device), quantization
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.vocab_size = int(hf_config.vocab_size)
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
@@ -102,9 +107,13 @@ class VllmEngine(WeightUpdateBracket):
         kv_bytes = kv_cache_memory_bytes or _kv_cache_bytes(hf_config, max_batch_size, max_seq_len, dtype)
         args = dict(model=self._config_dir, skip_tokenizer_init=True, load_format="dummy",
                     dtype=_VLLM_DTYPES[dtype], max_model_len=max_seq_len, max_num_seqs=max_batch_size,
-                    kv_cache_memory_bytes=kv_bytes, seed=seed, enforce_eager=enforce_eager or self.device.type == "cpu",
-                    logprobs_mode="processed_logprobs", generation_config="vllm",
-                    enable_prefix_caching=enable_prefix_caching, disable_log_stats=True)
+                    kv_cache_memory_bytes=kv_bytes, seed=seed, enforce_eager=enforce_eager or on_cpu,
+                    logprobs_mode="raw_logits", logits_processors=[fvl.processor_class()],
+                    generation_config="vllm", enable_prefix_caching=enable_prefix_caching, disable_log_stats=True,
+                    # CPU: vLLM refuses sleep mode; its CPU worker ignores sleep / wake_up (sleep.py)
+                    enable_sleep_mode=free_cache_engine and not on_cpu)
+        if vllm_quant is not None:
+            args["quantization"] = vllm_quant
         args.update(llm_kwargs)
         try:
             with preserve_torch_state(), preserve_environ():
@@ -115,11 +124,12 @@ class VllmEngine(WeightUpdateBracket):
         self._vllm_sampling_params = vllm.SamplingParams
         self.model = self.llm.apply_model(lambda m: m)[0]  # in-process: the live vLLM module
         self.weight_routes = VllmWeightRoutes(hf_config, self.model, dtype)
+        self.sleep_state = EngineSleep(self.llm, free_cache_engine)
         self._weight_version = 0
         self._staged: dict[str, torch.Tensor] | None = None  # open update: name -> tensor to load
         self._broken: str | None = None  # why the weights vLLM holds cannot be trusted
-        self._warned_truncation = False
         self.last_reload_seconds = 0.0
+        self._requests = 0  # requests sent so far: each one's tag for the log-prob processor
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "VllmEngine":
@@ -182,6 +192,7 @@ class VllmEngine(WeightUpdateBracket):
                                     "not advanced; load every name of engine.expected_weight_names()")
         self.weight_routes.clear_readback()
         try:
+            self.sleep_state.wake("weights")  # the reload writes into the weights' storage
             t0 = time.perf_counter()
             with preserve_torch_state(), torch.no_grad():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(staged.items())})
@@ -197,10 +208,20 @@ class VllmEngine(WeightUpdateBracket):
         finally:
             self.weight_routes.clear_readback()
         self._broken = None
+        self.sleep_state.wake("kv_cache")  # after the weights are final: nothing read it meanwhile
         with preserve_torch_state():
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._weight_version += 1
         return self._weight_version
+
+    def sleep(self) -> None:
+        """Sampling is done until the next weight update: free the KV cache and offload the
+        weights to host memory (vLLM ``sleep(level=1)``) so the trainer's update has the GPU.
+        ``finish_weight_update`` wakes the weights before vLLM's reload and the KV cache after
+        it; ``generate`` wakes whatever still sleeps. A no-op unless ``free_cache_engine``."""
+        if self._staged is not None:
+            raise WeightUpdateError("sleep: a weight update is in progress; finish or abort it first")
+        self.sleep_state.sleep()
 
     def _refresh_tied_head(self) -> None:
         """Tied embeddings: rebuild the LM head's packed GEMM from the (shared, reloaded)
@@ -248,33 +269,9 @@ class VllmEngine(WeightUpdateBracket):
             staged[name] = _own(t.detach())
         return {n for n, _ in kept}
 
-    @torch.inference_mode()
     def _check_reload(self, staged: dict[str, torch.Tensor]) -> None:
-        """Did vLLM's reload put the sent weights where its kernels read them? Packed layers:
-        output on a fixed random input vs ``x @ W_sentᵀ``, shard by shard (rows of the fused
-        output); everything else: bitwise equal. Reads each weight twice, copies none (float32)."""
-        routes, bad = self.weight_routes, []
-        gen = torch.Generator().manual_seed(0x5EED)
-        rtol = PROBE_RTOL[self.dtype]
-        packed = routes.packed_modules()
-        if routes.tied and _has_apply(self.model, "lm_head") and "model.embed_tokens.weight" in routes:
-            embed = routes["model.embed_tokens.weight"]  # the head's GEMM reads the embedding
-            packed["lm_head"] = [dataclasses.replace(embed, module_name="lm_head")]
-        for module_name, group in packed.items():
-            module = self.model.get_submodule(module_name)
-            x = torch.randn(PROBE_ROWS, group[0].shape[1], generator=gen).to(self.dtype)
-            got = module.quant_method.apply(module, x, None).float()
-            for r in group:
-                ref = torch.nn.functional.linear(x, staged[r.hf_name].to(self.dtype)).float()
-                part = got[:, r.rows] if got.shape[1] >= r.rows.stop else None
-                tol = rtol * float(ref.abs().max()) + 1e-30
-                err = float((part - ref).abs().max()) if part is not None else math.inf
-                if not err <= tol:
-                    bad.append(f"{module_name} rows {r.rows.start}:{r.rows.stop} for {r.hf_name} "
-                               f"(max error {err:.3g} vs tolerance {tol:.3g})")
-        for r in routes:
-            if not r.packed and not torch.equal(r.held(), r.expected_held(staged[r.hf_name])):
-                bad.append(r.hf_name)
+        """Did vLLM's reload put the sent weights where its kernels read them? (reload_check.py)"""
+        bad = reload_mismatches(self.model, self.weight_routes, staged, self.dtype)
         if bad:
             raise WeightUpdateError(f"vLLM's reload left weights that differ from what was sent: {_listing(bad)}; "
                                     "the engine refuses to generate until a complete weight update succeeds")
@@ -296,11 +293,15 @@ class VllmEngine(WeightUpdateBracket):
         return iter(())
 
     def named_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """vLLM's parameters, buffers and KV-cache tensors (what refit's address check snapshots).
-        vLLM's reload copies into these in place; the packed GEMM buffers behind CPU linear
-        layers are rebuilt by every reload, but no captured graph reads them (CPU is eager)."""
+        """vLLM's parameters, buffers, tensors its layers and quantization methods hold as plain
+        attributes, and KV-cache tensors (what refit's address check snapshots). vLLM's reload
+        copies into the parameters and buffers in place (FP8 included); an attribute tensor a
+        reload re-created would be caught here. The packed GEMM handles behind CPU linear layers
+        (closures, not tensors) are rebuilt by every reload, but no captured graph reads them
+        (CPU is eager)."""
         yield from self.model.named_parameters()
         yield from self.model.named_buffers()
+        yield from derived_tensor_attributes(self.model)
         with preserve_torch_state():
             caches = self.llm.collective_rpc(lambda worker: list(worker.model_runner.kv_caches))[0]
         for i, t in enumerate(caches):
@@ -322,29 +323,50 @@ class VllmEngine(WeightUpdateBracket):
         if len(params) != len(prompt_token_ids):
             raise ValueError(f"generate: got {len(params)} SamplingParams for {len(prompt_token_ids)} prompts; "
                              "pass one SamplingParams or one per prompt")
-        prompts, requests = [], []
+        prompts, requests, temperatures = [], [], []
         for prompt, p in zip(prompt_token_ids, params):
             prompt = [int(t) for t in prompt]
             self._check_prompt(prompt)
-            self._warn_truncation(p)
             max_new = min(p.max_tokens, self.max_seq_len - len(prompt))
             for j in range(p.n):
                 prompts.append(prompt)
+                temperatures.append(p.temperature)
                 requests.append(self._vllm_sampling_params(
                     n=1, temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
                     max_tokens=max_new, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
-                    seed=_request_seed(p.seed, j), logprobs=0, detokenize=False))
+                    seed=_request_seed(p.seed, j), logprobs=0, detokenize=False,
+                    extra_args={fvl.TAG: self._requests + len(requests)}))
+        first_tag, self._requests = self._requests, self._requests + len(requests)  # unique across calls
+        self.sleep_state.ensure_awake()  # a sleeping engine's scheduler would never run a request
         with preserve_torch_state():
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
-        responses, logprobs, finish = [], [], []
-        for out in outputs:
+            lse = self.llm.collective_rpc(fvl.take_records)[0]
+        return self._rollouts(prompts, outputs, temperatures, lse, first_tag)
+
+    def _rollouts(self, prompts, outputs, temperatures: list[float], lse: dict[tuple[int, int], float],
+                  first_tag: int) -> Rollouts:
+        """Token ids, finish reasons, and log_softmax(logits / T)[token] = raw logit / T -
+        logsumexp(logits / T) of every sampled token (full_vocab_logprobs.py)."""
+        responses, finish, raw, temps, sums = [], [], [], [], []
+        for row, out in enumerate(outputs):
+            tag = first_tag + row
             c = out.outputs[0]
             tokens = list(c.token_ids)
             if c.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM finished a request with reason {c.finish_reason!r}")
+            missing = [i for i in range(len(tokens)) if (tag, i) not in lse]
+            if missing:
+                raise RuntimeError(f"VllmEngine: no logsumexp recorded for request {row} at positions {missing[:8]}; "
+                                   "the full-vocabulary log-prob bookkeeping lost track of a request")
             responses.append(tokens)
-            logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(tokens)])
             finish.append(c.finish_reason)
+            raw += [c.logprobs[i][t].logprob for i, t in enumerate(tokens)]  # raw logits (logprobs_mode)
+            temps += [temperatures[row]] * len(tokens)
+            sums += [lse[(tag, i)] for i in range(len(tokens))]
+        flat, logprobs, start = fvl.sampled_logprobs(raw, temps, sums), [], 0
+        for tokens in responses:
+            logprobs.append(flat[start:start + len(tokens)])
+            start += len(tokens)
         return build_rollouts(prompts, responses, logprobs, finish, self.weight_version, self.pad_token_id)
 
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -354,16 +376,6 @@ class VllmEngine(WeightUpdateBracket):
                              + (" (an empty prompt: did the tokenizer encode it to nothing?)" if not prompt else ""))
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"generate: prompt token ids must be in [0, vocab_size={self.vocab_size})")
-
-    def _warn_truncation(self, p: SamplingParams) -> None:
-        if self._warned_truncation or p.temperature == 0:
-            return
-        if 0 < p.top_k < self.vocab_size or p.top_p < 1.0:
-            self._warned_truncation = True
-            warnings.warn("VllmEngine: with top-k/top-p on, vLLM's sampling log-probs are of the truncated, "
-                          "renormalized distribution (higher than the trainer's full-vocabulary "
-                          "log_softmax(logits / T) by -log(kept mass)); Rollouts.logprobs and the trainer's "
-                          "recompute differ by that", RuntimeWarning, stacklevel=3)
 
     def _check_platform(self) -> None:
         """The installed vLLM build must run on ``device``, and (CPU) support the head size:
@@ -387,11 +399,6 @@ class VllmEngine(WeightUpdateBracket):
                 raise ValueError(f"VllmEngine: vLLM's CPU attention supports head_dim in {sizes}; this model has "
                                  f"head_dim={head_dim} (hidden_size {c.hidden_size} / {c.num_attention_heads} heads); "
                                  "choose sizes giving a supported head_dim or use rollout.backend=builtin")
-
-
-def _has_apply(model, name: str) -> bool:
-    module = getattr(model, name, None)
-    return module is not None and hasattr(getattr(module, "quant_method", None), "apply")
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

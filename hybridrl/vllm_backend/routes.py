@@ -17,6 +17,9 @@ It has the interface ``hybridrl.refit`` uses on the built-in engine's ``weight_r
   the buffer the rollouts are computed with. Cost: a K-token forward per layer, paid only
   by ``verify=True``. Other weights (embedding, norms, biases) are read from their
   parameters.
+- **FP8 layers** (``quantization="fp8"``, fp8.py): ``held()`` is the float32 dequantization of
+  the live e4m3 weight and its per-row scales, ``expected_held(t)`` vLLM's quantization of
+  ``t`` dequantized the same way: exact, like the built-in engine's FP8 routes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+from hybridrl.vllm_backend.fp8 import expected_dequantized, held_dequantized, is_fp8_linear
 
 TIED_HEAD = "lm_head.weight"
 READBACK_ROWS = 1024  # identity rows per matmul when reading a packed weight back
@@ -46,10 +51,15 @@ class VllmWeightRoute:
     """rows of the vLLM tensor (fused shard / unpadded vocabulary)."""
     packed: bool
     """True when the value lives in the layer's packed GEMM (read back through ``apply``)."""
+    fp8: torch.dtype | None = None
+    """the e4m3 dtype when vLLM quantized this weight online to FP8 (per output row)."""
     table: Any = None
 
     def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What ``held()`` returns once this tensor was loaded: the cast to the engine dtype."""
+        """What ``held()`` returns once this tensor was loaded: the cast to the engine dtype,
+        or (FP8) its per-row quantization, dequantized to float32."""
+        if self.fp8 is not None:
+            return expected_dequantized(tensor, self.dtype, self.fp8)
         return tensor.detach().to(self.dtype)
 
     def held(self) -> torch.Tensor:
@@ -93,8 +103,9 @@ class VllmWeightRoutes:
         if rows.stop - rows.start != shape[0]:
             raise ValueError(f"VllmEngine: {name!r} has {shape[0]} rows in the HF model but {rows.stop - rows.start} "
                              f"in vLLM's {module_path}; the configs disagree")
-        return VllmWeightRoute(name, shape, self.dtype, module_path, leaf, rows,
-                               packed=leaf == "weight" and is_packed_gemm(module), table=self)
+        packed = leaf == "weight" and is_packed_gemm(module)
+        fp8 = module.weight.dtype if packed and is_fp8_linear(module) else None
+        return VllmWeightRoute(name, shape, self.dtype, module_path, leaf, rows, packed=packed, fp8=fp8, table=self)
 
     def _module(self, path: str, name: str) -> nn.Module:
         try:
@@ -126,11 +137,13 @@ class VllmWeightRoutes:
         module = self.model.get_submodule(route.module_name)
         if route.packed:
             if route.module_name not in self._readback:
-                self._readback[route.module_name] = read_packed_weight(module, route.shape[1], self.dtype)
+                self._readback[route.module_name] = (
+                    held_dequantized(module, module.output_size_per_partition, route.shape[1]) if route.fp8 is not None
+                    else read_packed_weight(module, route.shape[1], self.dtype))
             full = self._readback[route.module_name]
         else:
             full = getattr(module, route.leaf).data
-        return full[route.rows].to(self.dtype)
+        return full[route.rows] if route.fp8 is not None else full[route.rows].to(self.dtype)
 
     def clear_readback(self) -> None:
         """Forget read-back weights (called at every update boundary)."""

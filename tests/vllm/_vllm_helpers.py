@@ -50,3 +50,33 @@ def assert_greedy_matches(model, prompt: list[int], tokens: list[int], tie_margi
                                       f"(logit gap {gap:.3g}); prompt {prompt}, tokens {tokens}")
             return
         ids.append(t)
+
+
+RECORDED = ("generate", "sleep", "wake_up", "collective_rpc", "reset_prefix_cache")
+
+
+def record_llm_calls(target, monkeypatch) -> list[str]:
+    """Wrap vLLM ``LLM`` methods of ``target`` (an ``LLM`` instance, or the class for engines
+    built later) so each call is appended to the returned list, then runs the real method:
+    ``generate``, ``sleep(level)``, ``wake_up(tag,...)``, ``reload_weights``, ``reset_prefix_cache``."""
+    calls: list[str] = []
+    is_class = isinstance(target, type)
+    for name in RECORDED:
+        real = getattr(target, name)
+
+        def wrapper(*args, _name=name, _real=real, **kwargs):
+            call_args = args[1:] if is_class else args  # drop self
+            if _name == "collective_rpc":
+                if call_args and call_args[0] == "reload_weights":
+                    calls.append("reload_weights")
+            elif _name == "sleep":
+                calls.append(f"sleep({kwargs.get('level', call_args[0] if call_args else 1)})")
+            elif _name == "wake_up":
+                tags = kwargs.get("tags", call_args[0] if call_args else None)
+                calls.append(f"wake_up({','.join(tags) if tags else 'all'})")
+            else:
+                calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(target, name, wrapper)
+    return calls

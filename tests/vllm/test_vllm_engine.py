@@ -1,6 +1,7 @@
 """VllmEngine (vLLM in-process on CPU) behind the RolloutEngine interface: refit through
 `refit_from_model` unchanged, greedy = transformers = built-in engine, sampling log-probs =
-the trainer's recompute, versions, rejected updates, a failed reload that is caught."""
+the trainer's recompute (also with top-k / top-p), versions, rejected updates, a failed
+reload that is caught, the sleep / wake-up order around a refit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from _vllm_helpers import MAX_SEQ, SKIP_NO_VLLM, assert_greedy_matches, encode, perturbed
+from _vllm_helpers import MAX_SEQ, SKIP_NO_VLLM, assert_greedy_matches, encode, perturbed, record_llm_calls
 
 from hybridrl.refit import RefitError, refit_from_model
 from hybridrl.rollout import SamplingParams
@@ -245,11 +246,91 @@ def test_prompt_validation(engine):
         engine.generate([[1] * MAX_SEQ], SamplingParams(max_tokens=2))
 
 
-def test_truncated_sampling_warns_about_the_logprob_definition(engine, tiny_checkpoint):
-    _, tok, _ = tiny_checkpoint
-    engine._warned_truncation = False
-    with pytest.warns(RuntimeWarning, match="renormalized"):
-        engine.generate(encode(tok)[:1], SamplingParams(temperature=1.0, top_k=3, max_tokens=2, seed=0))
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 3, 1.0), (0.7, 0, 0.8), (0.7, 4, 0.9)])
+def test_truncated_sampling_reports_full_vocabulary_logprobs(engine, tiny_checkpoint, temperature, top_k, top_p):
+    """With top-k / top-p on, the reported log-prob is log_softmax(logits / T) over the full
+    vocabulary (the built-in engine's definition and the trainer's recompute), not vLLM's
+    truncated, renormalized one: equal to the recompute within 1e-4 (float32), and below the
+    truncated value by -log(kept mass) wherever that mass is < 1. A greedy request in the same
+    batch reports log_softmax(logits)."""
+    from hybridrl.trainer.forward import compute_logprobs_entropy
+
+    _, tok, model = tiny_checkpoint
+    new = perturbed(model, seed=10, scale=0.15)  # flatter logits: truncation removes real mass
+    refit_from_model(engine, new)
+    prompts = encode(tok)
+    sampled = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=10, n=3, seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    ro = engine.generate(prompts, [sampled] * (len(prompts) - 1) + [greedy])
+    rows = 3 * (len(prompts) - 1)
+    mask = ro.response_mask.bool()
+    with torch.no_grad():
+        lp, _ = compute_logprobs_entropy(new, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                         temperature=temperature)
+        lp_greedy, _ = compute_logprobs_entropy(new, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                                temperature=0.0)
+    assert (lp - ro.logprobs)[:rows][mask[:rows]].abs().max() < 1e-4
+    assert (lp_greedy - ro.logprobs)[rows:][mask[rows:]].abs().max() < 1e-4
+    truncated = _truncated_logprobs(new, ro, temperature, top_k, top_p)[:rows][mask[:rows]]
+    full = ro.logprobs[:rows][mask[:rows]]
+    assert (truncated >= full - 1e-5).all() and (truncated - full).max() > 1e-2  # truncation mattered
+
+
+@torch.no_grad()
+def _truncated_logprobs(model, ro, temperature, top_k, top_p) -> torch.Tensor:
+    """vLLM's processed_logprobs: log-probs renormalized over the top-k / top-p tokens ([B, L])."""
+    logits = model(ro.input_ids, attention_mask=ro.attention_mask).logits.float() / temperature
+    out = torch.zeros(ro.input_ids.shape)
+    probs = logits[:, :-1].softmax(-1)  # position t predicts token t + 1
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_k > 0:
+        keep[..., top_k:] = False
+    kept = sorted_p * keep
+    keep &= (kept.cumsum(-1) - kept) < top_p * kept.sum(-1, keepdim=True)
+    kept_mass = (sorted_p * keep).sum(-1)  # (B, L-1)
+    target = ro.input_ids[:, 1:]
+    out[:, 1:] = probs.gather(-1, target.unsqueeze(-1)).squeeze(-1).log() - kept_mass.log()
+    return out
+
+
+def test_sleep_wakes_weights_before_the_reload_and_the_kv_cache_after(engine, tiny_checkpoint, monkeypatch):
+    """free_cache_engine: ``sleep()`` frees the KV cache for the update; the refit wakes the
+    weights before vLLM's reload and the KV cache after it; ``generate`` wakes a sleeping
+    engine. On CPU vLLM's worker ignores sleep / wake_up, but its scheduler pauses and resumes
+    for real: the order is recorded on the real engine."""
+    _, tok, model = tiny_checkpoint
+    prompts, params = encode(tok)[:2], SamplingParams(temperature=1.0, max_tokens=3, seed=0)
+    calls = record_llm_calls(engine.llm, monkeypatch)
+    monkeypatch.setattr(engine.sleep_state, "enabled", True)  # what free_cache_engine=True sets
+    engine.generate(prompts, params)
+    engine.sleep()
+    engine.sleep()  # asleep already: nothing
+    assert engine.llm.llm_engine.is_sleeping()
+    refit_from_model(engine, perturbed(model, seed=12), verify=True)
+    assert not engine.llm.llm_engine.is_sleeping()
+    engine.generate(prompts, params)
+    assert calls == ["generate", "sleep(1)", "wake_up(weights)", "reload_weights", "wake_up(kv_cache)",
+                     "reset_prefix_cache", "generate"]
+
+    calls.clear()  # a generate while asleep (e.g. an eval without a refit) wakes weights, then the KV cache
+    engine.sleep()
+    assert engine.generate(prompts, params).weight_version == engine.weight_version
+    assert calls == ["sleep(1)", "wake_up(weights)", "wake_up(kv_cache)", "generate"]
+
+    calls.clear()  # an update that never reached vLLM leaves it asleep; the next update wakes it
+    engine.sleep()
+    engine.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match="in progress"):
+        engine.sleep()
+    engine.abort_weight_update()
+    refit_from_model(engine, model)
+    assert calls == ["sleep(1)", "wake_up(weights)", "reload_weights", "wake_up(kv_cache)", "reset_prefix_cache"]
+
+    calls.clear()
+    monkeypatch.setattr(engine.sleep_state, "enabled", False)
+    engine.sleep()  # free_cache_engine off: a no-op
+    assert calls == [] and not engine.llm.llm_engine.is_sleeping()
 
 
 def test_torch_state_is_restored_around_vllm(engine, tiny_checkpoint):

@@ -65,3 +65,22 @@ def test_preserve_environ_keeps_only_vllm_variables(monkeypatch):
         os.environ["VLLM_HYBRIDRL_TEST"] = "d"
     assert os.environ["HYBRIDRL_TEST_KEEP"] == "a" and "HYBRIDRL_TEST_NEW" not in os.environ
     assert os.environ.pop("VLLM_HYBRIDRL_TEST") == "d"
+
+
+def test_derived_tensor_attributes_walk_layers_methods_and_kernels():
+    """refit's address check also sees tensors a layer, its quantization method or that
+    method's kernel hold as plain attributes (vLLM's reload copies only into parameters and
+    buffers); host tensors are left out unless asked for (no CUDA graph reads them)."""
+    from torch import nn
+
+    from hybridrl.vllm_backend.state_tensors import derived_tensor_attributes
+
+    method = type("Method", (), {"__module__": "vllm.model_executor.layers.fake"})()
+    kernel = type("Kernel", (), {"__module__": "vllm.model_executor.kernels.fake"})()
+    method.scale, kernel.workspace, method.fp8_linear = torch.ones(1), torch.zeros(4), kernel
+    layer = nn.Linear(2, 2)
+    layer.cache, layer.quant_method, layer.shared = torch.zeros(3), method, layer.weight
+    model = nn.Sequential(layer)
+    assert set(dict(derived_tensor_attributes(model, include_host=True))) == {
+        "attr:0.cache", "attr:0.quant_method.scale", "attr:0.quant_method.fp8_linear.workspace"}
+    assert list(derived_tensor_attributes(model)) == []  # all on the host here
