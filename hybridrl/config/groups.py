@@ -55,6 +55,9 @@ class DataConfig:
     operations: str = _f("+", "arithmetic task: operators to draw from, any of '+-*'")
     train_size: int = _f(20000, "arithmetic task: number of training prompts")
     eval_size: int = _f(256, "held-out prompts for eval")
+    teacher_carry_slip: float = _f(0.8, "arithmetic task: share of the warm start's addition demonstrations that "
+                                        "carry whose teacher forgot the units carry (37+45=72): a systematic "
+                                        "error the exact-answer reward has to correct")
     seed: int = _f(0, "seed for task generation and shuffling")
 
     def __post_init__(self) -> None:
@@ -66,6 +69,7 @@ class DataConfig:
         check_number(self.train_size, "data.train_size", low=1)
         check_number(self.eval_size, "data.eval_size", low=0)
         check_number(self.max_prompt_length, "data.max_prompt_length", low=1)
+        check_number(self.teacher_carry_slip, "data.teacher_carry_slip", low=0, high=1)
 
 
 @dataclass(kw_only=True)
@@ -137,7 +141,7 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = _f(1e-4, "RL learning rate (AdamW)")
-    sft_lr: float = _f(3e-3, "warm-start (supervised) learning rate")
+    sft_lr: float = _f(1e-3, "warm-start (supervised) learning rate")
     critic_lr: float = _f(1e-3, "critic learning rate (gae only)")
     betas: list[float] = _f([0.9, 0.99], "AdamW betas")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -155,15 +159,15 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    total_steps: int = _f(1200, "RL steps (one rollout batch each)")
+    total_steps: int = _f(300, "RL steps (one rollout batch each)")
     prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
     mini_batch_size: int | None = _f(None, "responses per optimizer step (must divide the batch); null = the whole batch: on-policy, no old-log-prob pass")
     ppo_epochs: int = _f(1, "passes over each rollout batch")
     max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
     shared_prefix: bool = _f(True, "run each group's prompt once in the trainer forward (when a mini-batch is one micro-batch)")
-    sft_steps: int = _f(250, "supervised warm-start steps before RL (0 = none)")
+    sft_steps: int = _f(3000, "supervised warm-start steps before RL (0 = none)")
     sft_batch_size: int = _f(64, "warm-start batch size")
-    eval_every: int = _f(50, "evaluate held-out accuracy every k RL steps")
+    eval_every: int = _f(25, "evaluate held-out accuracy every k RL steps")
     seed: int = _f(0, "seed for model init, sampling and shuffling")
     device: str = _f("cpu", "cpu | cuda | cuda:N")
     threads: int = _f(0, "torch CPU threads; 0 = all cores")
@@ -220,7 +224,7 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    k: int = _f(0, "also report pass@k and maj@k from k samples per held-out prompt (0 = greedy accuracy only)")
+    k: int = _f(8, "also report pass@k and maj@k from k samples per held-out prompt (0 = greedy accuracy only)")
     temperature: float = _f(1.0, "sampling temperature of the pass@k / maj@k samples")
     seed: int = _f(1234, "seed of the eval samples (an eval never draws from the training RNG streams)")
 

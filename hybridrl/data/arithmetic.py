@@ -14,17 +14,28 @@ from dataclasses import dataclass
 class Example:
     prompt: str
     answer: str
+    slip: str | None = None  # the answer with the units carry forgotten (additions that carry), else None
 
 
 def _solve(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
+def carry_slip(a: int, op: str, b: int) -> int | None:
+    """The classic slip of forgetting the carry out of the units column: ``37+45`` -> ``72``
+    (not 82), ``95+15`` -> ``100``. None when the problem has no units carry (or is not an
+    addition): there is nothing to forget."""
+    if op != "+" or a % 10 + b % 10 < 10:
+        return None
+    return a + b - 10
+
+
 def make_example(rng: random.Random, num_digits: int, operations: str) -> Example:
     lo, hi = 0, 10**num_digits - 1
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
     op = rng.choice(operations)
-    return Example(prompt=f"{a}{op}{b}=", answer=str(_solve(a, op, b)))
+    slip = carry_slip(a, op, b)
+    return Example(prompt=f"{a}{op}{b}=", answer=str(_solve(a, op, b)), slip=None if slip is None else str(slip))
 
 
 def arithmetic_splits(*, num_digits: int, operations: str, train_size: int, eval_size: int,

@@ -35,7 +35,8 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     step: RLStep
     eval_set: PromptSet
-    sft_pairs: tuple[list[list[int]], list[list[int]]] | None  # (prompts, answers) for the warm start
+    # (prompts, answers, slips) for the warm start; slips[i]: the teacher's carry slip or None
+    sft_pairs: tuple[list[list[int]], list[list[int]], list[list[int] | None]] | None
     log: MetricsLog
     console: Console
 
@@ -195,8 +196,11 @@ def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tupl
         return PromptSet([encode_prompt(tokenizer, e.prompt) for e in exs], [e.answer for e in exs],
                          [e.prompt for e in exs])
 
+    def answer_ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
     tr = to_set(train)
-    sft = (tr.prompts, [tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id] for a in tr.answers])
+    sft = (tr.prompts, [answer_ids(a) for a in tr.answers], [None if e.slip is None else answer_ids(e.slip) for e in train])
     return tr, to_set(ev), sft
 
 

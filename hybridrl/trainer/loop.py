@@ -46,22 +46,31 @@ def _extra(result: EvalResult) -> str:
 
 
 def warm_start(run: Run, cfg: Config) -> None:
-    """Supervised steps on (prompt, answer) pairs, then one refit so the engine sees them."""
+    """Supervised steps on (prompt, answer) pairs, then one refit so the engine sees them.
+
+    On the built-in task, ``data.teacher_carry_slip`` replaces that share of the carrying
+    additions' demonstrations with the slip (the units carry forgotten), drawn afresh at
+    every visit: the warm start then imitates a teacher with a systematic error, which
+    only the reward can correct.
+    """
     from hybridrl.trainer.sft import sample_sft_batch, sft_batch, sft_step
 
-    steps = cfg.trainer.sft_steps
+    t = cfg.trainer
+    steps = t.sft_steps
     if steps <= 0 or run.sft_pairs is None:
         return
-    prompts, answers = run.sft_pairs
+    prompts, answers, slips = run.sft_pairs
+    slip_rng = random.Random(t.seed + 7919)  # its own stream: the batches are those of a slip-free run
     model, device = run.policy, run.step.rollout.device
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.sft_lr, betas=tuple(cfg.optim.betas),
                             weight_decay=cfg.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.05, 1 - s / steps))
-    rng = random.Random(cfg.trainer.seed)
+    rng = random.Random(t.seed)
     model.train()
     bar = progress_bar(range(steps), desc="warm start", enabled=cfg.logging.progress)
     for _ in bar:
-        p, a = sample_sft_batch(rng, prompts, answers, cfg.trainer.sft_batch_size)
+        p, a = sample_sft_batch(rng, prompts, answers, t.sft_batch_size, slips=slips,
+                                slip_rate=cfg.data.teacher_carry_slip, slip_rng=slip_rng)
         ids, mask, labels = (x.to(device) for x in sft_batch(p, a, run.step.pad_id))
         loss, _ = sft_step(model, opt, ids, mask, labels, cfg.optim.grad_clip)
         sched.step()

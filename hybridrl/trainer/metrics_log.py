@@ -99,7 +99,7 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, warm_start_accuracy: 
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_title("hybridrl: reward and accuracy")
     fig.tight_layout()
     fig.savefig(path)

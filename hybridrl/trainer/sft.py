@@ -37,6 +37,18 @@ def sft_step(model, optimizer, ids, mask, labels, grad_clip: float) -> tuple[flo
     return loss.item(), gn.item()
 
 
-def sample_sft_batch(rng: random.Random, prompts: list[list[int]], answers: list[list[int]], k: int):
+def sample_sft_batch(rng: random.Random, prompts: list[list[int]], answers: list[list[int]], k: int, *,
+                     slips: list[list[int] | None] | None = None, slip_rate: float = 0.0,
+                     slip_rng: random.Random | None = None):
+    """``k`` (prompt, answer) pairs drawn with replacement.
+
+    With ``slip_rate > 0`` the demonstration of a row that has a slip (``slips[i]`` not
+    None) is the slip instead, with that probability, drawn afresh at every visit from
+    ``slip_rng`` (its own stream: ``rng`` is consumed exactly as without slips)."""
     idx = [rng.randrange(len(prompts)) for _ in range(k)]
-    return [prompts[i] for i in idx], [answers[i] for i in idx]
+    out = [answers[i] for i in idx]
+    if slip_rate > 0 and slips is not None:
+        for j, i in enumerate(idx):
+            if slips[i] is not None and slip_rng.random() < slip_rate:
+                out[j] = slips[i]
+    return [prompts[i] for i in idx], out
