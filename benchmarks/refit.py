@@ -22,7 +22,7 @@ vLLM (issue #14, optional: skipped with one line if ``import vllm`` fails): our 
 against vLLM's ``reload_weights`` of the same model and weights (goal: >= 5x faster), and
 against a whole ``VllmEngine`` refit (staging, reload, its post-reload check).
 
-    python benchmarks/refit.py --quick --json bench_out/refit.json
+    python benchmarks/refit.py [--quick] [--json PATH] [--threads N]
 """
 from __future__ import annotations
 
@@ -181,7 +181,10 @@ def vllm_rows(cfg_name: str, hf, repeats: int) -> list[dict]:
 
 
 def main():
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], extra=lambda ap: ap.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads for every side (0 = torch default)"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     no_vllm = vllm_unavailable()
     if no_vllm:
