@@ -3,31 +3,18 @@ headline arithmetic (time to target, bounds, ratio)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from _bench_module import load_bench
+
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
         "model.num_key_value_heads=1", "model.intermediate_size=64", "data.train_size=64", "data.eval_size=8",
         "trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=4", "trainer.sft_steps=2",
         "trainer.sft_batch_size=4"]
 
 
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 def test_our_side_curve_at_clock_checkpoints(tmp_path):
-    bench = _load("learning")
+    bench = load_bench("learning")
     from hybridrl.trainer.build import build_run
     from hybridrl.trainer.loop import warm_start
 
@@ -55,7 +42,7 @@ def test_our_side_curve_at_clock_checkpoints(tmp_path):
 
 
 def test_headline_target_and_ratio():
-    bench = _load("learning")
+    bench = load_bench("learning")
     ours = [(0, 0.2, 0), (30, 0.6, 100), (60, 0.9, 200), (90, 0.95, 300)]
     trl = [(0, 0.2, 0), (30, 0.3, 40), (60, 0.5, 80), (90, 0.7, 120)]
     h = bench.headline(ours, trl, budget=90)

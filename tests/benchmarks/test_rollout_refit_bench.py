@@ -4,36 +4,24 @@ wall-clock thresholds; the one invariant checked is peak refit memory <= its bou
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hybridrl.vllm_backend import vllm_available
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from _bench_module import load_bench
+
 TINY_MOE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM not installed (pip install 'hybridrl[vllm]')")
 
 
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 def _check(rows: list[dict], expected: list[tuple[str, str, str]]) -> None:
     """Rows carry every key, finite positive numbers, and these (case, metric, baseline_name)s in order."""
-    common = _load("_common")
+    common = load_bench("_common")
     assert [(r["case"], r["metric"], r["baseline_name"]) for r in rows] == expected
     for r in rows:
         assert set(r) == set(common.ROW_KEYS), r
@@ -43,7 +31,7 @@ def _check(rows: list[dict], expected: list[tuple[str, str, str]]) -> None:
 
 
 def test_moe_decode_rows():
-    rollout, common = _load("rollout"), _load("_common")
+    rollout, common = load_bench("rollout"), load_bench("_common")
     hf = common.moe_model(**TINY_MOE)
     rows = rollout.bench_model("moe", hf, (1, 2), 2, 1, caches=("dynamic",))
     _check(rows, [(f"moe b={b} T=2", "tokens/s", "hf generate (dynamic cache)") for b in (1, 2)])
@@ -58,7 +46,7 @@ MXFP4_OVER = pytest.mark.xfail(strict=True, reason="MXFP4 temporaries exceed one
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", pytest.param("mxfp4", marks=MXFP4_OVER),
                                        pytest.param("fp8+mxfp4", marks=MXFP4_OVER)])
 def test_moe_refit_rows(precision):
-    refit, common = _load("refit"), _load("_common")
+    refit, common = load_bench("refit"), load_bench("_common")
     _, dtype, quant = next(c for c in refit.MOE_CASES if c[0] == precision)
     hf = common.moe_model(**TINY_MOE)
     bucket = 16 << 10  # smaller than the model: several buckets, and a bound the peak can exceed
@@ -75,7 +63,7 @@ def test_moe_refit_rows(precision):
 
 
 def test_per_expert_names_are_views_of_the_stacks():
-    refit, common = _load("refit"), _load("_common")
+    refit, common = load_bench("refit"), load_bench("_common")
     named = [(n, p.detach()) for n, p in common.moe_model(**TINY_MOE).named_parameters()]
     split = dict(refit.per_expert_names(named))
     stacks = dict(named)
@@ -87,7 +75,7 @@ def test_per_expert_names_are_views_of_the_stacks():
 
 
 def test_vllm_missing_is_one_line(monkeypatch):
-    common = _load("_common")
+    common = load_bench("_common")
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     reason = common.vllm_unavailable()
     assert reason and "\n" not in reason
@@ -96,7 +84,7 @@ def test_vllm_missing_is_one_line(monkeypatch):
 @pytest.mark.slow  # three vLLM engines (~10 s each)
 @needs_vllm
 def test_vllm_rows():
-    rollout, refit, common = _load("rollout"), _load("refit"), _load("_common")
+    rollout, refit, common = load_bench("rollout"), load_bench("refit"), load_bench("_common")
     assert common.vllm_unavailable() is None
     rows = rollout.bench_rl_job(torch.float32, 1, warm_calls=1, with_vllm=True)
     _check(rows, [(rollout.RL_CASE, "rollouts/s", "hf generate (dynamic cache)"),

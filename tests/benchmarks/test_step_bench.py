@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+from _bench_module import load_bench
 
 
 def test_our_side_reports_every_phase(tmp_path):
-    step = _load("step")
+    step = load_bench("step")
     tiny = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
             "intermediate_size": 64}
     cfg = step.bench_config(prompts=2, n=2, max_tokens=4, threads=1, output_dir=str(tmp_path), model=tiny,
@@ -38,7 +24,7 @@ def test_our_side_reports_every_phase(tmp_path):
 
 
 def test_rows_table_and_json(tmp_path):
-    common = _load("_common")
+    common = load_bench("_common")
     rows = [common.row(case="c", metric="step s", ours=1.0, baseline=3.0, baseline_name="b", higher_is_better=False),
             common.row(case="c", metric="tok/s", ours=6.0, baseline=2.0, baseline_name="b", higher_is_better=True)]
     assert [common.speedup(r) for r in rows] == [3.0, 3.0]
