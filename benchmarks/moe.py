@@ -24,32 +24,14 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import best_interleaved, parse_args, report, row  # noqa: E402
+from _common import best_interleaved, moe_model as make_model, parse_args, report, row  # noqa: E402
 
 from hybridrl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from hybridrl.rollout.routing import enable_routing_record, hf_routers, replay_routing  # noqa: E402
 
-MODEL = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-             norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False)
 PROMPT_LEN = 32
-
-
-def make_model(seed: int = 0) -> transformers.PreTrainedModel:
-    """Random weights scaled so routing and sampling are far from uniform (as in the tests)."""
-    cfg = transformers.Qwen3MoeConfig(**MODEL)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 2.0 / p.shape[-1] ** 0.5))
-    return model.eval()
 
 
 def bench_decode(hf, batch: int, new_tokens: int, repeats: int) -> dict:
