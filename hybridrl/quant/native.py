@@ -1,9 +1,12 @@
-"""The fused CPU FP8 kernels of ``fp8_kernels.c``: built on first use, called via ctypes.
+"""The fused CPU quantization kernels (``fp8_kernels.c``, ``mxfp4_kernels.c``): one library,
+built on first use, called via ctypes.
 
-Why native code: on CPU, torch has no fused FP8 quantize/dequantize; the eager path in
-:mod:`hybridrl.quant.fp8` makes four to six passes over each weight (and the fp8 casts
-are scalar), which kept an FP8 refit at ~6% of memcpy speed. These kernels do one pass
-and give bitwise the same result (tested against the torch path).
+Why native code: on CPU, torch has no fused FP8 or MXFP4 quantize/dequantize; the eager
+paths in :mod:`hybridrl.quant.fp8` make four to six passes over each weight (and the fp8
+casts are scalar), which kept an FP8 refit at ~6% of memcpy speed, and those of
+:mod:`hybridrl.quant.mxfp4` about ten (a ``bucketize`` among them: an MXFP4 MoE refit ran
+at ~2% of memcpy). These kernels do one pass and give bitwise the same result (tested
+against the torch paths).
 
 Build: the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``), no torch headers,
 well under a second; the shared library is cached under ``$HYBRIDRL_CACHE_DIR`` (default
@@ -15,7 +18,7 @@ folders are made 0700. A foreign or writable file in a private folder is rebuilt
 place; a folder that is not private is left alone and the kernels are built in a fresh
 private temporary folder for this process (warned once). Without a compiler, or with
 ``HYBRIDRL_NATIVE_KERNELS=0``, :func:`kernels` returns None and callers use the torch
-path (same results, slower); the reason is logged once.
+paths (same results, slower); the reason is logged once.
 
 Threads: ctypes releases the GIL, so rows are split across ``torch.get_num_threads()``
 Python threads — no OpenMP runtime is linked next to torch's.
@@ -40,7 +43,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("fp8_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("fp8_kernels.c", "mxfp4_kernels.c"))  # one library
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]  # never -ffast-math: results must be bitwise torch's
 NATIVE_FLAGS = ["-march=native"]  # dropped if the compiler rejects it
 COMPILE_TIMEOUT_S = 120
@@ -54,6 +57,8 @@ _SIGNATURES = {
     "hrl_f32_to_e4m3fn": [_ptr, _ptr, _c_int64],
     "hrl_e4m3fn_to_f32": [_ptr, _ptr, _c_int64],
     "hrl_f32_to_bf16": [_ptr, _ptr, _c_int64],
+    "hrl_mxfp4_quantize": [_ptr, _c_int, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64, _c_int64, _c_int64],
+    "hrl_mxfp4_dequantize": [_ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int, _c_int64, _c_int64, _c_int64, _c_int64],
 }
 
 
@@ -111,12 +116,12 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, target: Path) -> None:
-    """Compile SOURCE to ``target`` atomically (temp file in the same folder, then rename)."""
+    """Compile SOURCES to ``target`` atomically (temp file in the same folder, then rename)."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         for extra in (NATIVE_FLAGS, []):
-            proc = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+            proc = subprocess.run([cc, *FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                                   timeout=COMPILE_TIMEOUT_S)
             if proc.returncode == 0:
                 os.chmod(tmp, 0o755)  # as any shared library: readable, never writable by others
@@ -132,20 +137,21 @@ def _build(cc: str, target: Path) -> None:
 def kernels() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (torch fallback) — decided once per process."""
     if os.environ.get("HYBRIDRL_NATIVE_KERNELS", "1") == "0":
-        log.info("hybridrl FP8 native kernels disabled by HYBRIDRL_NATIVE_KERNELS=0; using the torch path")
+        log.info("hybridrl native quantization kernels disabled by HYBRIDRL_NATIVE_KERNELS=0; using the torch paths")
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("hybridrl: no C compiler found (set CC); FP8 quantization uses the slower torch path")
+        log.warning("hybridrl: no C compiler found (set CC); FP8/MXFP4 quantization uses the slower torch paths")
         return None
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS + NATIVE_FLAGS).encode() + cc.encode() + _cpu_id().encode()
+        b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS + NATIVE_FLAGS).encode() + cc.encode()
+        + _cpu_id().encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"fp8_kernels-{key}.so"
+    target = _cache_dir() / f"quant_kernels-{key}.so"
     try:
         lib = _load(cc, target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        log.warning("hybridrl: building the FP8 CPU kernels failed (%s); using the slower torch path", err)
+        log.warning("hybridrl: building the FP8/MXFP4 CPU kernels failed (%s); using the slower torch paths", err)
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
@@ -158,7 +164,7 @@ def _load(cc: str, target: Path) -> ctypes.CDLL:
     folder is not private, one built in a temporary private folder."""
     if not _private_folder(target.parent):
         log.warning("hybridrl: the kernel cache %s is not private (writable by group/others, or not yours); "
-                    "building the FP8 kernels in a private temporary folder instead (chmod 700 it, or set "
+                    "building the kernels in a private temporary folder instead (chmod 700 it, or set "
                     "HYBRIDRL_CACHE_DIR to a folder of your own)", target.parent)
         with tempfile.TemporaryDirectory(prefix="hybridrl-kernels-") as folder:  # mkdtemp: 0700
             private = Path(folder) / target.name
@@ -173,9 +179,18 @@ def _load(cc: str, target: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
 
 
+def rows_ok(*tensors: torch.Tensor) -> bool:
+    """The kernels read raw CPU pointers row by row: every tensor on CPU, unit column
+    stride, and rows that do not overlap (a broadcast view has row stride 0)."""
+    for t in tensors:
+        if t.device.type != "cpu" or (t.dim() == 2 and (t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[1]))):
+            return False
+    return True
+
+
 @functools.cache
 def _pool(n_threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="hybridrl-fp8")
+    return ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="hybridrl-quant")
 
 
 # A forked child inherits the cached pools but not their threads: it would wait forever.
