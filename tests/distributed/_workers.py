@@ -14,6 +14,14 @@ def init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def finish() -> None:
+    """Tear down together: a rank that destroys the group (and exits) while another still
+    talks to it can leave a gloo thread running at exit, aborting the process (SIGABRT,
+    "terminate called without an active exception") after its work succeeded."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def small_model(seed: int = 0, *, hidden: int = 64, vocab: int = 96, layers: int = 3):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -52,7 +60,7 @@ def refit_memory(rank: int, world: int, port: int, bucket: int, out: str) -> Non
     exact = all(torch.equal(held[n].to(full[n].dtype), full[n]) for n in full)
     torch.save({"peak": peak, "bound": bucket + largest, "model": total, "versions": versions, "exact": exact},
                f"{out}.{rank}")
-    dist.destroy_process_group()
+    finish()
 
 
 def dcp_save(rank: int, world: int, port: int, path: str, out: str) -> None:
@@ -71,7 +79,7 @@ def dcp_save(rank: int, world: int, port: int, path: str, out: str) -> None:
     full = dict(iter_full_parameters(model))
     if rank == 0:
         torch.save(full, out)
-    dist.destroy_process_group()
+    finish()
 
 
 def dcp_load(rank: int, world: int, port: int, path: str, out: str) -> None:
@@ -87,7 +95,7 @@ def dcp_load(rank: int, world: int, port: int, path: str, out: str) -> None:
     full = dict(iter_full_parameters(model))
     if rank == 0:
         torch.save(full, out)
-    dist.destroy_process_group()
+    finish()
 
 
 def peak_rss_delta(fn) -> int:
@@ -131,4 +139,4 @@ def measured_state_bytes(rank: int, world: int, port: int, out: str) -> None:
     grads = sum(local(p.grad) for p in model.parameters())
     moments = sum(local(v) for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
     torch.save({"params": params, "grads": grads, "optimizer": moments}, f"{out}.{rank}")
-    dist.destroy_process_group()
+    finish()
