@@ -24,11 +24,11 @@ def test_sharded_refit_memory_versions_and_contents(tmp_path):
     out = str(tmp_path / "refit")
     mp.spawn(_workers.refit_memory, args=(2, _port(), bucket, out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
-    slack = 4 << 20  # interpreter, gloo and allocator noise; the whole model would be ~4x the bound
+    slack = 6 << 20  # interpreter, gloo and allocator noise; the whole model (~52 MiB) is ~3x bound + slack
     for r in results:
         assert r["exact"]
         assert r["peak"] <= r["bound"] + slack < r["model"], r
-        assert r["versions"] == [3, 3]
+        assert r["versions"] == [5, 5]  # first load, three measured refits, one verified
 
 
 @pytest.mark.parametrize("save_world, load_world", [(2, 1), (1, 2)])
