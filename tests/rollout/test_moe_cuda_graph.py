@@ -14,8 +14,8 @@ import torch
 from hybridrl.refit import refit_from_model
 from hybridrl.rollout import RolloutEngine, SamplingParams
 from hybridrl.rollout.layers import fused_moe
-from tests.rollout.conftest import VOCAB
 from tests.rollout.test_moe import make_moe_config, make_moe_hf_model
+from tests.rollout.test_cuda_graph import _decode_both  # prefill + 5 decode steps on both engines
 from tests.rollout.test_moe_mxfp4 import perturb_experts
 
 
@@ -45,20 +45,6 @@ def _engines(cfg, hf, dtype, quantization=None):
         engine.load_weights(hf.named_parameters())
     assert graph.runner.graphs is not None and eager.runner.graphs is None
     return graph, eager
-
-
-def _decode_both(graph, eager, B, seed):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 12, (B,), generator=g).cuda()
-    ids = torch.randint(0, VOCAB, (B, 12), generator=g).cuda()
-    tokens = torch.randint(0, VOCAB, (5, B), generator=g).cuda()
-    outs = []
-    for engine in (graph, eager):
-        out = [engine.runner.prefill(ids, lengths)]
-        for step in range(5):
-            out.append(engine.runner.decode(tokens[step], lengths + step, int(lengths.max()) + step + 1).clone())
-        outs.append(out)
-    return list(zip(*outs))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
