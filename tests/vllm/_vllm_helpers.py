@@ -36,18 +36,21 @@ def encode(tok, texts=PROMPTS) -> list[list[int]]:
 
 
 @torch.no_grad()
-def assert_greedy_matches(model, prompt: list[int], tokens: list[int], tie_margin: float = 1e-4) -> None:
+def assert_greedy_matches(model, prompt: list[int], tokens: list[int],
+                          tie_margin: float | list[float] = 1e-4) -> None:
     """``tokens`` is ``model``'s greedy continuation of ``prompt``: at each step the argmax,
-    or (a kernel-rounding near-tie) a token whose logit is within ``tie_margin`` of it, after
-    which the continuations may legitimately differ and the comparison stops."""
+    or (a kernel-rounding near-tie) a token whose logit is within ``tie_margin`` of it (one
+    margin, or one per step), after which the continuations may legitimately differ and the
+    comparison stops."""
     ids = list(prompt)
-    for i, t in enumerate(tokens):
+    margins = tie_margin if isinstance(tie_margin, list) else [tie_margin] * len(tokens)
+    for i, (t, margin) in enumerate(zip(tokens, margins)):
         logits = model(torch.tensor([ids])).logits[0, -1].float()
         best = int(logits.argmax())
         if t != best:
             gap = float(logits[best] - logits[t])
-            assert gap < tie_margin, (f"step {i}: engine chose {t}, transformers {best} "
-                                      f"(logit gap {gap:.3g}); prompt {prompt}, tokens {tokens}")
+            assert gap < margin, (f"step {i}: engine chose {t}, transformers {best} (logit gap {gap:.3g}, "
+                                  f"margin {margin:.3g}); prompt {prompt}, tokens {tokens}")
             return
         ids.append(t)
 

@@ -65,10 +65,41 @@ def test_linear_weights_are_fp8_and_refits_verify_exactly(fp8_engine, tiny_check
                 assert (r.held() - sent.float()).abs().max() <= 1.1 * 2**-4 * sent.abs().max()
 
 
+def _fp8_token_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What vLLM's dynamic per-token FP8 activation quantization makes of ``x`` (..., K):
+    scale = amax(row) / fp8_max in fp32, q = e4m3(x / scale) (true division), back to x's dtype."""
+    from hybridrl.vllm_backend.fp8 import fp8_max
+
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / fp8_max()).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((xf / scale).clamp(-fp8_max(), fp8_max()).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+@torch.no_grad()
+def activation_fp8_logit_error(reference: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Per position of ``ids`` [S]: the largest amount by which quantizing every FP8 linear's
+    input per token (as the engine does) moves any logit of ``reference`` (which already
+    holds the engine's dequantized weights). The engine's logits can differ from the
+    reference's by about this much, so two logits closer than twice it may swap places."""
+    batch = torch.tensor([ids])
+    exact = reference(batch).logits[0].float()
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (_fp8_token_round_trip(args[0]),))
+             for name, m in reference.named_modules() if name.endswith(FP8_NAMES)]
+    try:
+        quantized = reference(batch).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    return (quantized - exact).abs().amax(-1)
+
+
 def test_fp8_logprobs_and_greedy_match_the_trainer_within_fp8_tolerance(fp8_engine, tiny_checkpoint):
     """Against the trainer with the engine's (dequantized FP8) weights: what remains is the
     per-token FP8 activation quantization and bf16 (measured on this test: mean 0.045, max
-    0.25; with weights perturbed half as much, 0.014 / 0.07)."""
+    0.25; with weights perturbed half as much, 0.014 / 0.07). A greedy choice may differ
+    from the reference's argmax only where the two logits are closer than the error that
+    activation quantization itself causes there (twice its largest logit shift, computed on
+    the loaded weights), never by a constant tuned on one machine's kernels."""
     from hybridrl.trainer.forward import compute_logprobs_entropy
 
     _, tok, model = tiny_checkpoint
@@ -83,7 +114,9 @@ def test_fp8_logprobs_and_greedy_match_the_trainer_within_fp8_tolerance(fp8_engi
     assert gap.mean() < 0.1 and gap.max() < 0.5, (float(gap.mean()), float(gap.max()))
     greedy = fp8_engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
     for p, toks in zip(prompts, greedy.response_token_ids):
-        assert_greedy_matches(reference, p, toks, tie_margin=0.1)
+        error = activation_fp8_logit_error(reference, list(p) + list(toks))
+        margins = (2 * error[len(p) - 1:]).tolist()  # position i predicts response token i
+        assert_greedy_matches(reference, p, toks, tie_margin=margins)
 
 
 def test_a_swapped_fp8_shard_is_caught(fp8_engine, tiny_checkpoint, monkeypatch):
