@@ -84,9 +84,14 @@ class RewardConfig:
     failure_reward: float = _f(0.0, "score of a sample whose reward call failed (raised, hung, bad value)")
     memory_limit_mb: int | None = _f(None, "cap each reward worker's data memory (MB); a sample exceeding it fails; "
                                            "null = no limit")
+    max_failure_rate: float | None = _f(0.9, "stop the run when at least this share of the last failure_window reward "
+                                             "calls failed (a broken reward); null = never stop")
+    failure_window: int = _f(24, "how many of the latest reward calls max_failure_rate judges")
 
     def __post_init__(self) -> None:
         check_number(self.timeout_s, "reward.timeout_s", low=0, low_open=True)
+        check_number(self.max_failure_rate, "reward.max_failure_rate", low=0, low_open=True, high=1)
+        check_number(self.failure_window, "reward.failure_window", low=1)
         check_number(self.workers, "reward.workers", low=1)
         check_number(self.failure_reward, "reward.failure_reward")
         check_number(self.memory_limit_mb, "reward.memory_limit_mb", low=1)

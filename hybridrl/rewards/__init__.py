@@ -8,6 +8,7 @@ config spec (a name, a ``path/to/file.py:fn``, or a weighted list) into a reward
 # the task modules register their built-ins when imported
 import hybridrl.rewards.gsm8k  # noqa: F401
 import hybridrl.rewards.math_equivalence  # noqa: F401
+from hybridrl.rewards.breaker import RewardBrokenError
 from hybridrl.rewards.combine import CombinedReward, combine
 from hybridrl.rewards.outcome import RewardFailure
 from hybridrl.rewards.regex_format import FormatReward, format_reward
@@ -17,5 +18,5 @@ from hybridrl.rewards.runner import RewardBatch, RewardRunner
 from hybridrl.rewards.spec import build_reward
 
 __all__ = ["get_reward_fn", "register_reward", "register_reward_factory", "REWARD_FNS", "REWARD_FACTORIES",
-           "RewardFailure", "RewardRunner", "RewardBatch", "build_reward", "combine", "CombinedReward",
+           "RewardFailure", "RewardBrokenError", "RewardRunner", "RewardBatch", "build_reward", "combine", "CombinedReward",
            "format_reward", "FormatReward"]

@@ -105,6 +105,7 @@ class ProcessPool:
         self._output = output
         self._memory_limit_mb = memory_limit_mb or 0  # 0: no limit
         self._workers: list[_Worker] = []
+        self._on_result: Callable[[int, object], None] | None = None  # map()'s, while it runs
         # runs on close(), garbage collection or interpreter exit; holds no reference to self
         self._finalizer = weakref.finalize(self, _terminate, self._workers, os.getpid())
         try:
@@ -171,7 +172,7 @@ class ProcessPool:
                     worker.ready = True
                     continue
                 assert worker.calls, "a worker answered a call it was not given"
-                results[worker.calls.popleft()] = value
+                self._finish(results, worker.calls.popleft(), value)
                 worker.started = time.monotonic()
                 answered += 1
         except (EOFError, OSError):
@@ -185,7 +186,7 @@ class ProcessPool:
         lost = 0
         if worker.calls:
             detail = detail or f"the worker process {_exit_status(worker.process.returncode)}; {self._output_hint()}"
-            results[worker.calls.popleft()] = Lost(reason, detail)
+            self._finish(results, worker.calls.popleft(), Lost(reason, detail))
             pending.extendleft(reversed(worker.calls))
             lost = 1
         self._workers[self._workers.index(worker)] = self._spawn()
@@ -202,21 +203,33 @@ class ProcessPool:
         worker.calls.extend(taken)
         worker.started = time.monotonic()
 
-    def map(self, handler: Callable, calls: list[tuple], timeout_s: float) -> list:
-        """``handler(fn, *args)`` per call, in order, each within ``timeout_s`` or Lost."""
+    def map(self, handler: Callable, calls: list[tuple], timeout_s: float,
+            on_result: Callable[[int, object], None] | None = None) -> list:
+        """``handler(fn, *args)`` per call, in order, each within ``timeout_s`` or Lost.
+
+        ``on_result(index, result)`` sees each result as it arrives; if it raises, the
+        batch stops there (the pool is closed) and the exception propagates."""
         if self.closed:
             raise RuntimeError("the reward worker pool is closed; create a new RewardRunner")
         results: list = [None] * len(calls)
         pending = deque(range(len(calls)))
         chunk = max(1, min(MAX_CHUNK, len(calls) // (CHUNKS_PER_WORKER * len(self._workers))))
         remaining = len(calls)
+        self._on_result = on_result
         try:
             while remaining:
                 remaining -= self._step(handler, calls, timeout_s, results, pending, chunk)
         except BaseException:
-            self.close()  # Ctrl-C or a load error mid-batch: workers hold half-done chunks
+            self.close()  # Ctrl-C, a load error or a stop from on_result mid-batch: workers hold half-done chunks
             raise
+        finally:
+            self._on_result = None
         return results
+
+    def _finish(self, results: list, index: int, value) -> None:
+        results[index] = value
+        if self._on_result is not None:
+            self._on_result(index, value)
 
     def _step(self, handler: Callable, calls: list, timeout_s: float, results: list, pending: deque,
               chunk: int) -> int:

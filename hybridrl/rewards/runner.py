@@ -11,6 +11,11 @@ processes (``process_pool.py``), which can kill a call that hangs even while hol
 GIL. A batched reward (``fn.hybridrl_batched``) is called once per batch, the timeout
 applying to that whole call; if it fails, every sample of the batch fails.
 
+A reward whose recent calls (nearly) all fail is broken, not unlucky: once at least
+``max_failure_rate`` of the last ``failure_window`` calls failed, :class:`RewardBrokenError`
+stops the batch (and the run) with one line (``breaker.py``); ``max_failure_rate=None``
+never stops. For a batched reward every sample of a failed batch counts as one call.
+
 Failures are counted, and the first one of each reason in the runner's life is reported
 once, with its message and where it was raised (``first_errors``, and the ``report``
 callback: by default a ``logging`` warning), so a reward that raises on every sample
@@ -29,8 +34,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from hybridrl.rewards.breaker import DEFAULT_MAX_FAILURE_RATE, DEFAULT_WINDOW, FailureBreaker
 from hybridrl.rewards.outcome import Outcome, call_batch, call_one, failed
-from hybridrl.rewards.process_pool import Lost, ProcessPool
+from hybridrl.rewards.process_pool import TIMEOUT, Lost, ProcessPool
 from hybridrl.rewards.registry import RewardFn, is_batched, is_trusted, reward_label
 from hybridrl.rewards.spec import build_reward
 from hybridrl.rewards.worker import dumps_for_worker
@@ -64,7 +70,8 @@ class RewardRunner:
 
     def __init__(self, fn: RewardFn | str | Sequence[Mapping[str, Any]], *, timeout_s: float = 10.0,
                  workers: int = 4, failure_reward: float = 0.0, memory_limit_mb: int | None = None,
-                 worker_output: str | os.PathLike | None = None, report: Callable[[str], None] | None = None):
+                 worker_output: str | os.PathLike | None = None, report: Callable[[str], None] | None = None,
+                 max_failure_rate: float | None = DEFAULT_MAX_FAILURE_RATE, failure_window: int = DEFAULT_WINDOW):
         if not (_is_finite(timeout_s) and timeout_s > 0):  # NaN would switch the timeout off
             raise ValueError(f"reward.timeout_s={timeout_s!r}: must be a finite number of seconds > 0")
         if not (_is_int(workers) and workers >= 1):
@@ -74,7 +81,13 @@ class RewardRunner:
         if memory_limit_mb is not None and not (_is_int(memory_limit_mb) and memory_limit_mb >= 1):
             raise ValueError(f"reward.memory_limit_mb={memory_limit_mb!r}: must be an integer >= 1 (MB), "
                              "or null for no limit")
+        if max_failure_rate is not None and not (_is_finite(max_failure_rate) and 0 < max_failure_rate <= 1):
+            raise ValueError(f"reward.max_failure_rate={max_failure_rate!r}: must be in (0, 1], or null to never stop")
+        if not (_is_int(failure_window) and failure_window >= 1):
+            raise ValueError(f"reward.failure_window={failure_window!r}: must be an integer >= 1 (calls)")
         self.fn = build_reward(fn)
+        self.breaker = FailureBreaker(f"reward {reward_label(self.fn)!r}", window=failure_window,
+                                      max_failure_rate=max_failure_rate, fix=self._advice)
         self.timeout_s = float(timeout_s)
         self.workers = workers
         self.failure_reward = float(failure_reward)
@@ -88,6 +101,13 @@ class RewardRunner:
                 warmup()
         else:
             self._pool = _start_pool(self.fn, workers, memory_limit_mb, worker_output)
+
+    @classmethod
+    def from_config(cls, reward, report: Callable[[str], None] | None = None) -> RewardRunner:
+        """From a ``RewardConfig`` (``cfg.reward``)."""
+        return cls(reward.functions, timeout_s=reward.timeout_s, workers=reward.workers,
+                   failure_reward=reward.failure_reward, memory_limit_mb=reward.memory_limit_mb, report=report,
+                   max_failure_rate=reward.max_failure_rate, failure_window=reward.failure_window)
 
     def score(self, responses: list[str], answers: list[Any], prompts: list[str]) -> RewardBatch:
         """Scores ``[B]`` for ``B`` (response, answer, prompt) triples."""
@@ -104,13 +124,32 @@ class RewardRunner:
         batched = is_batched(self.fn)
         if self._pool is None:
             if batched:
-                return call_batch(self.fn, responses, answers, prompts)
-            return [call_one(self.fn, r, a, p) for r, a, p in zip(responses, answers, prompts)]
+                return self._judged(call_batch(self.fn, responses, answers, prompts))
+            return [self._judge(call_one(self.fn, r, a, p)) for r, a, p in zip(responses, answers, prompts)]
         if batched:
             (result,) = self._pool.map(call_batch, [(responses, answers, prompts)], self.timeout_s)
-            return [failed(result.reason, result.detail)] * len(responses) if isinstance(result, Lost) else result
-        results = self._pool.map(call_one, list(zip(responses, answers, prompts)), self.timeout_s)
-        return [failed(r.reason, r.detail) if isinstance(r, Lost) else r for r in results]
+            outcomes = [failed(result.reason, result.detail)] * len(responses) if isinstance(result, Lost) else result
+            return self._judged(outcomes)
+        results = self._pool.map(call_one, list(zip(responses, answers, prompts)), self.timeout_s,
+                                 on_result=lambda _, r: self._judge(_as_outcome(r)))
+        return [_as_outcome(r) for r in results]
+
+    def _advice(self, failed: Counter) -> str:
+        """What to do about a broken reward, by how its calls failed."""
+        slow = f"raise reward.timeout_s (now {self.timeout_s:g} s) if it is only slow, or " if failed[TIMEOUT] else ""
+        return (f"{slow}fix the reward (its first error is reported above); "
+                f"reward.max_failure_rate={self.breaker.max_failure_rate} over reward.failure_window="
+                f"{self.breaker.window} calls decides this stop, null turns it off")
+
+    def _judge(self, outcome: Outcome) -> Outcome:
+        """Feed one call's outcome to the breaker (raises RewardBrokenError when broken)."""
+        self.breaker.record(outcome.failure, outcome.detail or "")
+        return outcome
+
+    def _judged(self, outcomes: list[Outcome]) -> list[Outcome]:
+        for outcome in outcomes:
+            self._judge(outcome)
+        return outcomes
 
     def _collect(self, outcomes: list[Outcome]) -> RewardBatch:
         batch = RewardBatch(scores=[])
@@ -142,6 +181,10 @@ class RewardRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _as_outcome(result: Outcome | Lost) -> Outcome:
+    return failed(result.reason, result.detail) if isinstance(result, Lost) else result
 
 
 def _is_int(x: Any) -> bool:

@@ -91,9 +91,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     if len(train_set) < t.prompts_per_step:
         raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(train_set)} usable "
                          "training prompts; lower trainer.prompts_per_step or add data")
-    rw = cfg.reward
-    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward,
-                          memory_limit_mb=rw.memory_limit_mb, report=console)
+    runner = RewardRunner.from_config(cfg.reward, report=console)
     try:
         directory = _open_dir(cfg, dp)
     except BaseException:

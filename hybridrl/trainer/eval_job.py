@@ -38,9 +38,7 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
                               stop_token_ids=(eos,) if eos is not None else ())
     worker = RolloutWorker(engine, sampling, device=torch.device(cfg.trainer.device), bucket_bytes=1 << 26,
                            verify_refit=False)
-    rw = cfg.reward
-    runner = RewardRunner(rw.functions, timeout_s=rw.timeout_s, workers=rw.workers, failure_reward=rw.failure_reward,
-                          memory_limit_mb=rw.memory_limit_mb)
+    runner = RewardRunner.from_config(cfg.reward)
     try:
         result = evaluate_prompts(worker, RewardScorer(runner, tokenizer), prompts, k=cfg.eval.k,
                                   temperature=cfg.eval.temperature, seed=cfg.eval.seed, keep_samples=out is not None)

@@ -32,9 +32,15 @@ class EvalResult:
     maj_at_k: float | None = None
     k: int = 0
     samples: list[dict] = field(default_factory=list)  # one record per prompt (for a jsonl file)
+    reward_calls: int = 0
+    reward_failures: int = 0  # calls that failed (scored failure_reward)
+
+    @property
+    def reward_failure_rate(self) -> float:
+        return self.reward_failures / max(self.reward_calls, 1)
 
     def metrics(self) -> dict[str, float]:
-        out = {"eval/accuracy": self.accuracy}
+        out = {"eval/accuracy": self.accuracy, "eval/reward_failure_rate": self.reward_failure_rate}
         if self.k:
             out[f"eval/pass@{self.k}"] = self.pass_at_k
             out[f"eval/maj@{self.k}"] = self.maj_at_k
@@ -48,8 +54,10 @@ def evaluate_prompts(rollout: RolloutWorker, scorer: RewardScorer, prompts: Prom
         return EvalResult(accuracy=float("nan"))
     greedy = rollout.greedy(prompts.prompts)
     g_texts = scorer.tokenizer.batch_decode(greedy.response_token_ids, skip_special_tokens=True)
-    g_scores = scorer.runner.score(g_texts, prompts.answers, prompts.prompt_texts).scores
-    result = EvalResult(accuracy=sum(s > CORRECT for s in g_scores) / len(g_scores), k=k)
+    g_batch = scorer.runner.score(g_texts, prompts.answers, prompts.prompt_texts)
+    g_scores = g_batch.scores
+    result = EvalResult(accuracy=sum(s > CORRECT for s in g_scores) / len(g_scores), k=k,
+                        reward_calls=len(g_scores), reward_failures=sum(g_batch.failures.values()))
     texts: list[list[str]] = [[] for _ in range(len(prompts))]
     scores: list[list[float]] = [[] for _ in range(len(prompts))]
     if k > 0:
@@ -62,8 +70,11 @@ def evaluate_prompts(rollout: RolloutWorker, scorer: RewardScorer, prompts: Prom
         ro = rollout.engine.generate(prompts.prompts, params)
         flat = scorer.tokenizer.batch_decode(ro.response_token_ids, skip_special_tokens=True)
         rows = [i for i in range(len(prompts)) for _ in range(k)]
-        flat_scores = scorer.runner.score(flat, [prompts.answers[i] for i in rows],
-                                          [prompts.prompt_texts[i] for i in rows]).scores
+        flat_batch = scorer.runner.score(flat, [prompts.answers[i] for i in rows],
+                                         [prompts.prompt_texts[i] for i in rows])
+        flat_scores = flat_batch.scores
+        result.reward_calls += len(flat_scores)
+        result.reward_failures += sum(flat_batch.failures.values())
         for i, t, s in zip(rows, flat, flat_scores):
             texts[i].append(t)
             scores[i].append(s)

@@ -42,7 +42,16 @@ def evaluate(run: Run) -> EvalResult:
 
 
 def _extra(result: EvalResult) -> str:
-    return f"  pass@{result.k} {result.pass_at_k:.3f}  maj@{result.k} {result.maj_at_k:.3f}" if result.k else ""
+    extra = f"  pass@{result.k} {result.pass_at_k:.3f}  maj@{result.k} {result.maj_at_k:.3f}" if result.k else ""
+    if result.reward_failures:
+        extra += f"  reward failures {result.reward_failures}/{result.reward_calls}"
+    return extra
+
+
+def _step_failures(metrics: dict) -> str:
+    """The step line's note on failed reward calls (empty when none failed)."""
+    failed = int(metrics.get("reward/failures", 0))
+    return f"  reward failures {metrics['reward/failure_rate']:.0%} ({failed})" if failed else ""
 
 
 def warm_start(run: Run, cfg: Config) -> None:
@@ -242,10 +251,13 @@ def _rl_phase(run: Run, cfg: Config, bar, rng: random.Random, loop, interrupt: I
             loop.last_accuracy = result.accuracy
             metrics.update(result.metrics())
             run.console(f"step {step}: eval accuracy {loop.last_accuracy:.3f}{_extra(result)}  reward "
-                        f"{metrics['reward/mean']:.3f}  kl {metrics.get('actor/kl', 0.0):.4f}  "
+                        f"{metrics['reward/mean']:.3f}{_step_failures(metrics)}  kl {metrics.get('actor/kl', 0.0):.4f}  "
                         f"{metrics['perf/tokens_per_s']:.0f} tok/s")
         run.log.log(step, metrics)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{loop.last_accuracy:.2f}")
+        postfix = {"reward": f"{metrics['reward/mean']:.2f}", "acc": f"{loop.last_accuracy:.2f}"}
+        if metrics.get("reward/failures"):
+            postfix["fail"] = f"{metrics['reward/failure_rate']:.0%}"
+        bar.set_postfix(**postfix)
         if loop.nonfinite_streak >= t.max_nonfinite_steps:
             last = run.run_dir / "checkpoint"
             good = os.path.realpath(last) if last.is_symlink() else "none yet"

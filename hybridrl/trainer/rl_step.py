@@ -254,6 +254,7 @@ def step_metrics(sb: StepBatch, timer: PhaseTimer) -> dict[str, float]:
     out = {
         "reward/mean": float(raw.mean()), "reward/std": float(raw.std()) if raw.numel() > 1 else 0.0,
         "reward/failures": float(sb.failures),
+        "reward/failure_rate": sb.failures / max(raw.numel(), 1),
         "batch/flat_group_fraction": flat_group_fraction(raw, sb.index),
         "response/length_mean": float(ro.response_mask.sum(-1).float().mean()),
         "response/truncated_fraction": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
