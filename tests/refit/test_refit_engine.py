@@ -7,11 +7,10 @@ from hybridrl.quant.fp8 import dequantize_
 from hybridrl.refit import refit_from_model, refit_session
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.derived import named_derived_caches
-from tests.refit.helpers import (engine, hf_model, inputs, llama_config, perturb, qwen2_config,
+from tests.refit.helpers import (assert_fp32_close, engine, hf_model, inputs, llama_config, perturb, qwen2_config,
                                  ref_logits)
 
 K_REFITS = 3
-FP32_ATOL = 1e-5
 # FP8 weight-only (per-channel or 128x128 blocks) vs the float64 model, on these 2-layer
 # random models: max |logit error| relative to max |logit|; observed values are printed
 # (-s) and listed in the refit report; observed 0.04–0.08; bound 0.15.
@@ -28,8 +27,7 @@ def test_fp32_refits_match_transformers(make_cfg):
         stats = refit_from_model(eng, hf, bucket_bytes=64 << 10, verify=True)
         assert stats.version == eng.weight_version == k + 1
         assert stats.bytes_moved == sum(p.numel() * 8 for p in hf.parameters())
-        torch.testing.assert_close(eng.logits(ids, mask).double(), ref_logits(hf, ids, mask),
-                                   atol=FP32_ATOL, rtol=0)
+        assert_fp32_close(eng.logits(ids, mask), ref_logits(hf, ids, mask))
     out = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))
     assert out.weight_version == K_REFITS
 
@@ -42,7 +40,7 @@ def test_tied_embeddings_stay_tied_and_state_dict_head_is_ignored():
     refit_from_model(eng, list(hf.state_dict().items()), verify=True)
     assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight
     ids, mask = inputs(1)
-    torch.testing.assert_close(eng.logits(ids, mask).double(), ref_logits(hf, ids, mask), atol=FP32_ATOL, rtol=0)
+    assert_fp32_close(eng.logits(ids, mask), ref_logits(hf, ids, mask))
 
 
 def _dequantized_hf(hf, eng):
@@ -78,7 +76,7 @@ def test_fp8_refits(quant, make_cfg, fnuz, monkeypatch):
             assert torch.equal(cache.tensor, want), name
         got = eng.logits(ids, mask).double()
         # Exact path: the engine equals transformers run on the dequantized weights.
-        torch.testing.assert_close(got, ref_logits(_dequantized_hf(hf, eng), ids, mask), atol=FP32_ATOL, rtol=0)
+        assert_fp32_close(got, ref_logits(_dequantized_hf(hf, eng), ids, mask))
         ref = ref_logits(hf, ids, mask)
         rel = ((got - ref).abs().max() / ref.abs().max()).item()
         agree = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()

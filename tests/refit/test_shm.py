@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from hybridrl.refit.errors import RefitError
 from hybridrl.refit.shm import make_channel, send_refit, serve_refit
-from tests.refit.helpers import engine, hf_model, inputs, perturb, qwen2_config, ref_logits
+from tests.refit.helpers import assert_fp32_close, engine, hf_model, inputs, perturb, qwen2_config, ref_logits
 
 BUCKET = 96 << 10  # smaller than the embedding (256 KiB in fp64): it goes alone
 TIMEOUT_S = 120
@@ -73,7 +73,11 @@ def _run(device, quantization=None, trainer_delay=0, engine_delay=0):
 def _assert_matches(eng, hf, device="cpu"):
     ids, mask = inputs(3)
     got = eng.logits(ids.to(device), mask.to(device)).double().cpu()
-    torch.testing.assert_close(got, ref_logits(hf, ids, mask), atol=1e-4 if device != "cpu" else 1e-5, rtol=0)
+    ref = ref_logits(hf, ids, mask)
+    if device == "cpu":
+        assert_fp32_close(got, ref)
+    else:  # CUDA's TF32-free fp32 GEMMs reorder more: a looser fixed bound, unchanged
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
 def test_shared_memory_two_processes():

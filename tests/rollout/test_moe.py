@@ -179,7 +179,13 @@ def test_bf16_close_to_float32():
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     ref = moe_engine(cfg, hf).logits(ids, torch.ones_like(ids))
     ours = moe_engine(cfg, hf, dtype=torch.bfloat16).logits(ids, torch.ones_like(ids))
-    assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
+    # The RMS of the error, not its max: a router near-tie may pick another expert in
+    # bf16 (a legitimate, kernel-dependent flip that moves a few logits by ~10% of the
+    # largest), while rounding moves all of them by a few bf16 ulps (2^-8 relative each).
+    # Measured under three ATen kernel sets on seeds 3-5: RMS ratio 0.010-0.025 (max
+    # ratio up to 0.095, from a flip); 0.05 is ~13 bf16 ulps; a wrong weight or layout gives ~1.
+    rms = lambda t: float(t.double().pow(2).mean().sqrt())  # noqa: E731
+    assert rms(ours - ref) < 0.05 * rms(ref), rms(ours - ref) / rms(ref)
 
 
 # ---- dispatch ----------------------------------------------------------------------------
