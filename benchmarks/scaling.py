@@ -38,10 +38,10 @@ def _overrides(out: str, steps: int) -> list[str]:
 
 
 def _rank(rank: int, world: int, port: int, overrides: list[str], steps: int, out: str) -> None:
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.distributed.context import init_from_env
-    from hybridrl.trainer.build import build_run
-    from hybridrl.trainer.loop import shard_for_data_parallel
+    from hybridrl.job.build import build_run
+    from hybridrl.job.loop import shard_for_data_parallel
 
     cfg = load_config(None, overrides + [f"trainer.run_name=w{world}", f"trainer.threads={max(1, 2 // world)}"])
     dp = None

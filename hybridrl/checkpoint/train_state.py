@@ -93,7 +93,7 @@ def read_training_state(directory: Path, run, rng: random.Random) -> LoopState:
         raise ValueError(f"trainer.resume: {directory} was written with a different algo.advantage.estimator "
                          "(critic present in one and not the other); resume with the run's own config")
     if sharded:
-        from hybridrl.trainer.sharded_checkpoint import load_run_dcp
+        from hybridrl.checkpoint.sharded import load_run_dcp
 
         load_run_dcp(directory, run)
         step.actor.scheduler.load_state_dict(state["actor"]["scheduler"])
