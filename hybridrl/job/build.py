@@ -163,8 +163,8 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
     shape = BatchShape(prompts_per_step=t.prompts_per_step, samples_per_prompt=r.n,
                        mini_batch_size=t.mini_batch_size, epochs=t.ppo_epochs, max_response_tokens=r.max_tokens)
     step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
-                  train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator)
-    step.dp = dp
+                  train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator,
+                  dp=dp)
     resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
     log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
                      write=dp is None or dp.is_main)

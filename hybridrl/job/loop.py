@@ -124,7 +124,7 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
         warm_start(run, cfg)
         _attach_reference(run, cfg)
         if run.step.dp is not None:
-            shard_for_data_parallel(run)
+            run.step.shard_for_data_parallel()
         warm = evaluate(run)
         warm_acc = warm.accuracy
         run.console(f"eval after warm start: accuracy {warm_acc:.3f}{_extra(warm)}")
@@ -133,7 +133,7 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
     else:
         _attach_reference(run, cfg)  # a placeholder copy; its weights come from the checkpoint
         if run.step.dp is not None:
-            shard_for_data_parallel(run)
+            run.step.shard_for_data_parallel()
         loop = read_training_state(run.directory.resume_from, run, rng)
         if loop.step >= cfg.trainer.total_steps:
             raise ValueError(f"run {run_dir} is already complete at step {loop.step} (trainer.total_steps="
@@ -163,27 +163,6 @@ def _attach_reference(run: Run, cfg: Config) -> None:
         run.step.attach_reference(Reference.frozen_copy_of(
             run.policy, temperature=cfg.rollout.temperature,
             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch))
-
-
-def shard_for_data_parallel(run: Run) -> None:
-    """After the warm start: FSDP2-shard the actor (and reference, critic), give them fresh
-    optimizers over the shards (nothing is lost: RL has not stepped yet), and refit from
-    now on by gathering bucket by bucket."""
-    from hybridrl.distributed.fsdp import shard_model
-    from hybridrl.distributed.refit import refit_sharded
-
-    from hybridrl.trainer import forward, shared_prefix
-
-    routes = {forward.FSDP_ROUTE: forward._logprobs_entropy, shared_prefix.FSDP_ROUTE: shared_prefix._shared_prefix}
-    step = run.step
-    shard_model(step.actor.model, routes)
-    step.actor.reset_optimizer()
-    if step.reference is not None:
-        shard_model(step.reference.model, routes)
-    if step.critic is not None:
-        shard_model(step.critic.model)
-        step.critic.reset_optimizer()
-    step.rollout.refit_impl = refit_sharded
 
 
 def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
