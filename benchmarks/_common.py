@@ -170,7 +170,7 @@ def trl_side_inputs(cfg, run, script: str):
     from datasets import Dataset
 
     from hybridrl.rewards.registry import exact_match
-    from hybridrl.trainer.model_factory import builtin_model
+    from hybridrl.job.model_factory import builtin_model
 
     m, tok, prompts = cfg.model, run.tokenizer, run.step.train_set
     model = builtin_model(tok, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,

@@ -41,7 +41,7 @@ Differs (each framework's design; printed): our built-in engine vs ``model.gener
 of our options TRL lacks (DAPO dynamic sampling with refill, entropy bonus) stay on our
 side — they are part of what the default job is.
 
-``--seeds N`` instead runs the default job itself (``hybridrl.trainer.loop.train``) for
+``--seeds N`` instead runs the default job itself (``hybridrl.job.loop.train``) for
 trainer.seed 0..N-1 and prints each warm-start and final accuracy and its seconds.
 """
 
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_args, report, row, trl_side_inputs  # noqa: E402
 
 from hybridrl.config import Config  # noqa: E402
-from hybridrl.config_io import load_config  # noqa: E402
+from hybridrl.config.io import load_config  # noqa: E402
 
 TRL_NAME = "trl GRPOTrainer"
 TARGET_CAP = 0.8
@@ -249,8 +249,8 @@ def side_by_side(ours: list, trl: list) -> str:
 QUICK_SFT_STEPS = 300
 
 def compare(args, overrides: list[str]) -> list[dict]:
-    from hybridrl.trainer.build import build_run
-    from hybridrl.trainer.loop import _attach_reference, warm_start
+    from hybridrl.job.build import build_run
+    from hybridrl.job.loop import _attach_reference, warm_start
 
     budget = args.budget or (15.0 if args.quick else 300.0)
     every = args.every or (5.0 if args.quick else 30.0)
@@ -332,7 +332,7 @@ def compare(args, overrides: list[str]) -> list[dict]:
 
 def seeds(args, overrides: list[str]) -> list[dict]:
     """The default job itself for trainer.seed 0..N-1: warm-start and final accuracy, seconds."""
-    from hybridrl.trainer.loop import train
+    from hybridrl.job.loop import train
 
     tmp = tempfile.mkdtemp(prefix="hybridrl_bench_seeds_")
     rows, finals = [], []

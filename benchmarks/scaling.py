@@ -38,10 +38,9 @@ def _overrides(out: str, steps: int) -> list[str]:
 
 
 def _rank(rank: int, world: int, port: int, overrides: list[str], steps: int, out: str) -> None:
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.distributed.context import init_from_env
-    from hybridrl.trainer.build import build_run
-    from hybridrl.trainer.loop import shard_for_data_parallel
+    from hybridrl.job.build import build_run
 
     cfg = load_config(None, overrides + [f"trainer.run_name=w{world}", f"trainer.threads={max(1, 2 // world)}"])
     dp = None
@@ -51,7 +50,7 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], steps: int, ou
         dp = init_from_env("cpu", timeout_s=300)
     run = build_run(cfg, console=lambda s: None, dp=dp)
     if dp is not None:
-        shard_for_data_parallel(run)
+        run.step.shard_for_data_parallel()
     rng = random.Random(1)
     step_s, refit_s = [], []
     for _ in range(steps):

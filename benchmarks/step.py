@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, parse_args, report, row, trl_side_inputs  # noqa: E402
 
 from hybridrl.config import Config  # noqa: E402
-from hybridrl.config_io import build_config  # noqa: E402
+from hybridrl.config.io import build_config  # noqa: E402
 
 WARMUP_STEPS = 1
 OURS_PHASES = ("rollout", "reward", "log_probs", "advantages", "update", "refit")
@@ -85,7 +85,7 @@ class OursSide:
     """``build_run`` once, then one ``rl_step`` per call; keeps each step's seconds."""
 
     def __init__(self, cfg: Config):
-        from hybridrl.trainer.build import build_run
+        from hybridrl.job.build import build_run
 
         self.cfg = cfg
         self.run = build_run(cfg, console=lambda s: None)

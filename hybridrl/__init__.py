@@ -12,8 +12,8 @@ _LAZY = {
     "SamplingParams": "hybridrl.rollout",
     "Rollouts": "hybridrl.rollout",
     "Config": "hybridrl.config",
-    "load_config": "hybridrl.config_io",
-    "train": "hybridrl.trainer.loop",
+    "load_config": "hybridrl.config.io",
+    "train": "hybridrl.job.loop",
     "refit_from_model": "hybridrl.refit",
     "refit_session": "hybridrl.refit",
 }

@@ -8,11 +8,11 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer.loop import train
+    from hybridrl.config.io import load_config
+    from hybridrl.job.loop import train
 
-    from hybridrl.trainer.checkpoint import CheckpointWriteError
-    from hybridrl.trainer.interrupt import TrainingInterrupted
+    from hybridrl.checkpoint.atomic import CheckpointWriteError
+    from hybridrl.job.interrupt import TrainingInterrupted
 
     from hybridrl.distributed.context import launched_distributed
 
@@ -20,11 +20,11 @@ def _train(args: argparse.Namespace) -> int:
     t = cfg.trainer
     try:
         if t.launcher == "ray" and not launched_distributed():
-            from hybridrl.distributed.ray_launch import launch_ray
+            from hybridrl.launch.ray_cluster import launch_ray
 
             launch_ray(cfg)
         elif t.nproc_per_node > 1 and not launched_distributed():
-            from hybridrl.distributed.launch import launch_local
+            from hybridrl.launch.elastic import launch_local
 
             launch_local(cfg, nproc=t.nproc_per_node)
         else:
@@ -39,7 +39,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from hybridrl.config_io import config_to_yaml, load_config
+    from hybridrl.config.io import config_to_yaml, load_config
 
     print(config_to_yaml(load_config(args.config, args.overrides)), end="")
     return 0
@@ -49,7 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from hybridrl.rollout import RolloutEngine, SamplingParams
-    from hybridrl.trainer.model_factory import check_checkpoint, checkpoint_errors, load_tokenizer
+    from hybridrl.job.model_factory import check_checkpoint, checkpoint_errors, load_tokenizer
 
     check_checkpoint(args.model, "--model")
     tok = load_tokenizer(args.model, "--model")
@@ -68,8 +68,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer.eval_job import evaluate_checkpoint
+    from hybridrl.config.io import load_config
+    from hybridrl.job.eval_job import evaluate_checkpoint
 
     cfg = load_config(args.config, args.overrides)
     if args.k is not None:
@@ -84,9 +84,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.distributed.plan import plan_memory, shape_config
-    from hybridrl.trainer.model_factory import DTYPES
+    from hybridrl.job.model_factory import DTYPES
 
     cfg = load_config(args.config, args.overrides)
     t, r = cfg.trainer, cfg.rollout
@@ -101,7 +101,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError(f"model.path={cfg.model.path}: no readable config.json ({type(e).__name__}); "
                              "point it at a local Hugging Face checkpoint directory") from None
     else:
-        from hybridrl.trainer.model_factory import builtin_model, builtin_tokenizer
+        from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
 
         m = cfg.model
         hf_config = builtin_model(builtin_tokenizer(), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
@@ -118,7 +118,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybridrl.config_io import help_text
+    from hybridrl.config.io import help_text
 
     p = argparse.ArgumentParser(prog="hybridrl", description="RL post-training of language models on a hybrid engine.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -32,8 +32,8 @@ TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attentio
 
 
 def run_case(name: str, extra: list[str], *, device: str, steps: int, out_dir: Path, tiny: bool) -> dict:
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer.build import build_run
+    from hybridrl.config.io import load_config
+    from hybridrl.job.build import build_run
 
     overrides = [f"trainer.device={device}", "trainer.refit_verify=true", "trainer.sft_steps=0",
                  f"trainer.total_steps={steps}", "trainer.save_checkpoint=false", "trainer.resume=off",

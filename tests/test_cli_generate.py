@@ -4,8 +4,8 @@ import torch
 
 from hybridrl.cli import main
 from hybridrl.data.char_tokenizer import build_char_tokenizer
-from hybridrl.trainer.checkpoint import save_checkpoint_atomic
-from hybridrl.trainer.model_factory import builtin_model
+from hybridrl.checkpoint.atomic import save_checkpoint_atomic
+from hybridrl.job.model_factory import builtin_model
 
 
 def test_generate_matches_transformers_greedy(tmp_path, capsys):

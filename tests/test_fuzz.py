@@ -15,11 +15,11 @@ import typing
 import pytest
 
 from hybridrl.config import GROUPS
-from hybridrl.config_io import RENAMED, build_config, load_config
+from hybridrl.config.io import RENAMED, build_config, load_config
 from hybridrl.data.char_tokenizer import build_char_tokenizer
 from hybridrl.data.files import load_prompt_files
 from hybridrl.rewards import build_reward
-from hybridrl.trainer.model_factory import builtin_tokenizer
+from hybridrl.job.model_factory import builtin_tokenizer
 
 SEED = 20240611
 CASES = 1500  # per fuzz test; the whole file runs in a few seconds

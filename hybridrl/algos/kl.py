@@ -61,6 +61,12 @@ class FixedKLController:
     def __init__(self, *, kl_coef: float):
         self.value = float(kl_coef)
 
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
     def update(self, current_kl: float, n_steps: int) -> None:
         pass
 
@@ -76,6 +82,12 @@ class AdaptiveKLController:
         if target_kl <= 0 or horizon <= 0:
             raise ValueError(f"AdaptiveKLController(target_kl={target_kl}, horizon={horizon}): both must be > 0")
         self.value, self.target, self.horizon = float(kl_coef), float(target_kl), horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
 
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)

@@ -4,7 +4,7 @@
 ``optim``, ``trainer``, ``logging``); ``algo`` nests one dataclass per concern
 (``algo.advantage``, ``algo.policy_loss``, ``algo.kl``, ``algo.correction``,
 ``algo.dapo``, ``algo.value``) and takes published recipes as ``algo.preset``.
-Reading YAML and dotted overrides: ``hybridrl/config_io.py``.
+Reading YAML and dotted overrides: ``hybridrl/config/io.py``.
 """
 
 from hybridrl.config.algo import (AdvantageConfig, AlgoConfig, CorrectionConfig, DapoConfig, KLConfig,

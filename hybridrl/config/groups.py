@@ -1,6 +1,6 @@
 """The configuration groups other than ``algo`` (see ``algo.py``), and the whole
 :class:`Config` with its cross-group checks. Reading YAML and dotted overrides lives in
-``hybridrl/config_io.py``.
+``hybridrl/config/io.py``.
 """
 
 from __future__ import annotations

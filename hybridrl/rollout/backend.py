@@ -34,6 +34,17 @@ class WeightUpdateBracket:
     backend with ``begin_weight_update`` / ``finish_weight_update`` / ``abort_weight_update``:
     finish on a clean exit, abort on an exception."""
 
+    def state_dict(self) -> dict[str, int]:
+        """What a resume needs of the engine (its weights come back by refit): the version."""
+        return {"weight_version": self.weight_version}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue the version numbering of a resumed run (call after its first refit):
+        the engine stays the only writer of ``weight_version``."""
+        if self.weight_update_in_progress:
+            raise RuntimeError("load_state_dict during a weight update; finish or abort it first")
+        self._weight_version = int(state["weight_version"])
+
     @contextlib.contextmanager
     def weight_update(self, check: Callable[[], None] | None = None) -> Iterator["WeightUpdateBracket"]:
         self.begin_weight_update()

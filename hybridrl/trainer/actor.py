@@ -74,12 +74,17 @@ class Actor:
     def _micro(self, lengths: torch.Tensor) -> list[list[int]]:
         return make_microbatches(lengths.tolist(), self.max_tokens)
 
-    def state_dict(self) -> dict:
-        """Optimizer and LR-schedule state (the weights are saved in HF format)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+    def state_dict(self, *, optimizer: bool = True) -> dict:
+        """Optimizer and LR-schedule state (the weights are saved in HF format);
+        ``optimizer=False``: the schedule only (a sharded run keeps the optimizer in DCP)."""
+        state = {"scheduler": self.scheduler.state_dict()}
+        if optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     @torch.no_grad()

@@ -29,6 +29,13 @@ class Critic:
         self._optim = optim
         self.reset_optimizer()
 
+    def state_dict(self) -> dict:
+        """The optimizer state (the weights are saved with the model)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def reset_optimizer(self) -> None:
         """A fresh AdamW over the model's current parameters (after FSDP2 sharding)."""
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self._optim.critic_lr,

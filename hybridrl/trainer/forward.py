@@ -229,6 +229,11 @@ def compute_logprobs_entropy(
 FSDP_ROUTE = "hybridrl_fsdp_logprobs_entropy"
 
 
+def fsdp_forward_methods() -> dict:
+    """``{attribute: fn}`` to install on an FSDP2-sharded policy (``shard_model``)."""
+    return {FSDP_ROUTE: _logprobs_entropy}
+
+
 @dataclass
 class MoEForward:
     """What an MoE trainer forward does beyond the log-probs.

@@ -50,13 +50,13 @@ class RLStep:
 
     def __init__(self, *, rollout: RolloutWorker, scorer: RewardScorer, actor: Actor, critic: Critic | None,
                  train_set: PromptSet, algo: AlgoConfig, shape: BatchShape, pad_id: int,
-                 generator: torch.Generator):
+                 generator: torch.Generator, dp: DistContext | None = None):
         self.rollout, self.scorer, self.actor, self.critic = rollout, scorer, actor, critic
         self.train_set, self.algo, self.shape, self.pad_id = train_set, algo, shape, pad_id
         self.generator = generator  # mini-batch shuffling
         self.reference: Reference | None = None
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
-        self.dp: DistContext | None = None  # data parallel: this rank's share of every batch
+        self.dp = dp  # data parallel: this rank's share of every batch
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -67,6 +67,43 @@ class RLStep:
                                                       horizon=kl.horizon)
         else:
             self.kl_ctrl = algos.FixedKLController(kl_coef=kl.coef)
+
+    def shard_for_data_parallel(self) -> None:
+        """After the warm start: FSDP2-shard the actor (and reference, critic) and give them
+        fresh optimizers over the shards (nothing is lost: RL has not stepped yet); from
+        then on the rollout worker refits by gathering bucket by bucket."""
+        from hybridrl.distributed.fsdp import shard_model
+        from hybridrl.trainer import forward, shared_prefix
+
+        routes = forward.fsdp_forward_methods() | shared_prefix.fsdp_forward_methods()
+        shard_model(self.actor.model, routes)
+        self.actor.reset_optimizer()
+        if self.reference is not None:
+            shard_model(self.reference.model, routes)
+        if self.critic is not None:
+            shard_model(self.critic.model)
+            self.critic.reset_optimizer()
+
+    def state_dict(self, *, optimizers: bool = True) -> dict:
+        """What the step's components need for an exact resume besides their weights:
+        optimizer and LR-schedule states (``optimizers=False``: a sharded run keeps the
+        optimizer states in DCP), the KL coefficient, the mini-batch shuffling generator,
+        the engine's weight version. Each component writes its own part."""
+        critic = None if self.critic is None else self.critic.state_dict() if optimizers else "dcp"
+        return {"actor": self.actor.state_dict(optimizer=optimizers), "critic": critic,
+                "kl_ctrl": None if self.kl_ctrl is None else self.kl_ctrl.state_dict(),
+                "shuffle": self.generator.get_state(), "rollout": self.rollout.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` into the built components (weights already loaded), then
+        refit the engine from the restored policy and continue its version numbering."""
+        self.actor.load_state_dict(state["actor"])
+        if self.critic is not None and isinstance(state["critic"], dict):
+            self.critic.load_state_dict(state["critic"])
+        if self.kl_ctrl is not None and state["kl_ctrl"] is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.generator.set_state(state["shuffle"])
+        self.rollout.restore(self.actor.model, state["rollout"])
 
     def needs_old_log_prob(self) -> bool:
         """Whether the step needs a separate no-grad log-prob pass before the update.

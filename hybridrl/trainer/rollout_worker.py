@@ -2,7 +2,8 @@
 the check that the rollouts trained on were sampled by the policy being trained.
 
 Weight versions: the engine advances ``weight_version`` once per complete weight update
-(it is the only writer). This worker records the version its last refit produced; every
+(it is the only writer; a resumed run continues its numbering through the engine's own
+``load_state_dict``). This worker records the version its last refit produced; every
 rollout carries the version that generated it, and :meth:`check_on_policy` fails loudly
 when the two differ — a step would otherwise train on rollouts of other weights without
 a word (on-policy today; an asynchronous trainer relaxes this to a staleness bound).
@@ -11,16 +12,11 @@ a word (on-policy today; an asynchronous trainer relaxes this to a staleness bou
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 import torch
 
 from hybridrl.refit import RefitStats, refit_from_model
 from hybridrl.rollout import Rollouts, SamplingParams
 from hybridrl.rollout.backend import RolloutBackend
-
-
-RefitFn = Callable[..., RefitStats]  # (engine, model, *, bucket_bytes, verify) -> RefitStats
 
 
 class StaleRolloutError(RuntimeError):
@@ -31,25 +27,25 @@ class RolloutWorker:
     """``engine`` plus the run's sampling settings; tensors come back on ``device``."""
 
     def __init__(self, engine: RolloutBackend, sampling: SamplingParams, *, device: torch.device,
-                 bucket_bytes: int, verify_refit: bool, refit_impl: RefitFn = refit_from_model):
+                 bucket_bytes: int, verify_refit: bool):
         self.engine = engine
         self.sampling = sampling  # n, temperature, top-k/p, max_tokens, stop ids (seed set per prompt)
         self.device = device
         self.bucket_bytes, self.verify_refit = bucket_bytes, verify_refit
-        self.refit_impl = refit_impl  # refit_from_model, or distributed.refit.refit_sharded under FSDP2
         self.expected_version: int | None = None  # the version the last refit produced
-        # Versions are logical: engine version + offset. A resumed run continues the
-        # numbering of the run it resumes (a fresh engine starts at 0).
-        self.version_offset = 0
 
     @property
     def version(self) -> int:
-        """The weight version the engine holds now (logical)."""
-        return self.engine.weight_version + self.version_offset
+        """The weight version the engine holds now."""
+        return self.engine.weight_version
 
     def refit(self, model: torch.nn.Module) -> RefitStats:
-        """Write ``model``'s weights into the engine in place (the refit protocol)."""
-        stats = self.refit_impl(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit)
+        """Write ``model``'s weights into the engine in place (the refit protocol); an
+        FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``)."""
+        refit = refit_from_model
+        if _is_fsdp_sharded(model):
+            from hybridrl.distributed.refit import refit_sharded as refit
+        stats = refit(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit)
         self.expected_version = self.version
         return stats
 
@@ -61,18 +57,20 @@ class RolloutWorker:
         if sleep is not None:
             sleep()
 
-    def restore(self, model: torch.nn.Module, *, version: int) -> None:
-        """After a resume: refit from the restored ``model`` and continue at ``version``."""
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def restore(self, model: torch.nn.Module, state: dict) -> None:
+        """After a resume: refit from the restored ``model``, then continue the version
+        numbering saved in ``state`` (``state_dict()``)."""
         self.refit(model)
-        self.version_offset = version - self.engine.weight_version
+        self.engine.load_state_dict(state)
         self.expected_version = self.version
 
     def sample(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
         """``sampling.n`` responses per prompt, one seed per prompt (rows prompt-major)."""
         params = [dataclasses.replace(self.sampling, seed=s) for s in seeds]
-        ro = self._to_device(self.engine.generate(prompts, params))
-        ro.weight_version += self.version_offset
-        return ro
+        return self._to_device(self.engine.generate(prompts, params))
 
     def greedy(self, prompts: list[list[int]]) -> Rollouts:
         """One greedy response per prompt (eval, ReMax baselines)."""
@@ -94,3 +92,11 @@ class RolloutWorker:
         if ro.routed_experts is not None:
             ro.routed_experts = ro.routed_experts.to(self.device)
         return ro
+
+
+def _is_fsdp_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 cannot have sharded it
+        return False
+    return isinstance(model, FSDPModule)

@@ -33,6 +33,11 @@ def shared_prefix_logprobs_entropy(model, input_ids, attention_mask, response_ma
 FSDP_ROUTE = "hybridrl_fsdp_shared_prefix"
 
 
+def fsdp_forward_methods() -> dict:
+    """``{attribute: fn}`` to install on an FSDP2-sharded policy (``shard_model``)."""
+    return {FSDP_ROUTE: _shared_prefix}
+
+
 def _shared_prefix(model, input_ids, attention_mask, response_mask, prompt_len, group, *, temperature,
                    vocab_chunk_tokens):
     B, L = input_ids.shape

@@ -15,8 +15,8 @@ TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attentio
 
 def test_our_side_curve_at_clock_checkpoints(tmp_path):
     bench = load_bench("learning")
-    from hybridrl.trainer.build import build_run
-    from hybridrl.trainer.loop import warm_start
+    from hybridrl.job.build import build_run
+    from hybridrl.job.loop import warm_start
 
     cfg = bench.bench_config(threads=1, output_dir=str(tmp_path), overrides=TINY)
     run = build_run(cfg, console=lambda s: None)

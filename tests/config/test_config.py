@@ -1,7 +1,7 @@
 import pytest
 
 from hybridrl.config import ConfigError
-from hybridrl.config_io import config_to_yaml, load_config, parse_overrides
+from hybridrl.config.io import config_to_yaml, load_config, parse_overrides
 
 
 def test_defaults_resolve_and_roundtrip_yaml(tmp_path):

@@ -3,7 +3,7 @@
 import random
 
 from hybridrl.data.arithmetic import arithmetic_splits, carry_slip
-from hybridrl.trainer.sft import sample_sft_batch
+from hybridrl.job.sft import sample_sft_batch
 
 
 def test_carry_slip_hand_derived():

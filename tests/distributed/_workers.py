@@ -67,7 +67,7 @@ def refit_memory(rank: int, world: int, port: int, bucket: int, out: str) -> Non
 
 def dcp_save(rank: int, world: int, port: int, path: str, out: str) -> None:
     """``world`` ranks (sharded when > 1) save a DCP checkpoint of a perturbed model."""
-    from hybridrl.distributed.checkpoint import save_dcp
+    from hybridrl.checkpoint.dcp import save_dcp
     from hybridrl.distributed.fsdp import iter_full_parameters, shard_model
 
     init(rank, world, port)
@@ -86,7 +86,7 @@ def dcp_save(rank: int, world: int, port: int, path: str, out: str) -> None:
 
 def dcp_load(rank: int, world: int, port: int, path: str, out: str) -> None:
     """``world`` ranks load a DCP checkpoint into a fresh (differently seeded) model."""
-    from hybridrl.distributed.checkpoint import load_dcp
+    from hybridrl.checkpoint.dcp import load_dcp
     from hybridrl.distributed.fsdp import iter_full_parameters, shard_model
 
     init(rank, world, port)

@@ -73,8 +73,8 @@ def test_ray_two_simulated_hosts_strict_spread(tmp_path):
     """Two Ray nodes on this machine, one rank per node (STRICT_SPREAD): the cross-host path."""
     from ray.cluster_utils import Cluster
 
-    from hybridrl.config_io import load_config
-    from hybridrl.distributed.ray_launch import launch_ray
+    from hybridrl.config.io import load_config
+    from hybridrl.launch.ray_cluster import launch_ray
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)

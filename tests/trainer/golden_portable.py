@@ -90,9 +90,9 @@ def make_start() -> None:
 
     import torch
 
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer.build import build_run
-    from hybridrl.trainer.loop import warm_start
+    from hybridrl.config.io import load_config
+    from hybridrl.job.build import build_run
+    from hybridrl.job.loop import warm_start
     from test_golden import COMMON
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,9 +15,9 @@ import torch
 
 from _tiny import TINY_MODEL
 
-from hybridrl.config_io import load_config
-from hybridrl.trainer.build import build_run
-from hybridrl.trainer.loop import warm_start
+from hybridrl.config.io import load_config
+from hybridrl.job.build import build_run
+from hybridrl.job.loop import warm_start
 
 
 def _reference_loss(model, batch, mode: str) -> torch.Tensor:

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from hybridrl.algos import ADV_ESTIMATORS, POLICY_LOSSES
-from hybridrl.config_io import load_config
-from hybridrl.trainer.loop import train
+from hybridrl.config.io import load_config
+from hybridrl.job.loop import train
 
 from _tiny import TINY_MODEL
 
@@ -64,7 +64,7 @@ def test_merge_keeps_rows_and_scores_aligned(tmp_path):
 
     import torch
 
-    from hybridrl.trainer.build import build_run
+    from hybridrl.job.build import build_run
     from hybridrl.trainer.step_batch import merge
 
     cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=m"])

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hybridrl.config_io import load_config
+from hybridrl.config.io import load_config
 from _tiny import TINY_MODEL
 
 BASE = TINY_MODEL + ["trainer.sft_steps=0", "trainer.total_steps=1", "logging.tensorboard=false",
@@ -16,7 +16,7 @@ BASE = TINY_MODEL + ["trainer.sft_steps=0", "trainer.total_steps=1", "logging.te
 
 
 def _run(tmp_path, extra):
-    from hybridrl.trainer.build import build_run
+    from hybridrl.job.build import build_run
 
     cfg = load_config(None, BASE + [f"trainer.output_dir={tmp_path}"] + extra)
     return build_run(cfg, console=lambda s: None)

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from hybridrl.config_io import load_config
-from hybridrl.trainer.loop import train
+from hybridrl.config.io import load_config
+from hybridrl.job.loop import train
 
 from _tiny import TINY_MODEL
 
@@ -26,7 +26,7 @@ def _engine_state(engine):
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     cfg = load_config(None, TINY + [f"trainer.output_dir={out}", "trainer.run_name=e2e", "algo.kl.coef=0.01"])
-    from hybridrl.trainer import build
+    from hybridrl.job import build
 
     captured = {}
     real_build = build.build_run
@@ -37,7 +37,7 @@ def run(tmp_path_factory):
         captured["initial"] = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
         return run
 
-    import hybridrl.trainer.loop as loop
+    import hybridrl.job.loop as loop
     loop.build_run = spy
     try:
         result = train(cfg)

@@ -10,11 +10,11 @@ import sys
 import pytest
 from _tiny import TINY_MODEL
 
-from hybridrl.config_io import load_config
+from hybridrl.config.io import load_config
 
 
 def test_majority_and_pass_at_k_by_hand():
-    from hybridrl.trainer.evaluation import _majority_correct
+    from hybridrl.job.evaluation import _majority_correct
 
     # majority "7" (2 of 3) is wrong although one sample is right: pass@3 yes, maj@3 no
     assert not _majority_correct(["7", " 7", "8"], [0.0, 0.0, 1.0])
@@ -24,8 +24,8 @@ def test_majority_and_pass_at_k_by_hand():
 
 def _checkpoint(tmp_path):
     from hybridrl.data.char_tokenizer import build_char_tokenizer
-    from hybridrl.trainer.checkpoint import save_checkpoint_atomic
-    from hybridrl.trainer.model_factory import builtin_model
+    from hybridrl.checkpoint.atomic import save_checkpoint_atomic
+    from hybridrl.job.model_factory import builtin_model
 
     tok = build_char_tokenizer()
     model = builtin_model(tok, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -87,7 +87,7 @@ def test_chat_prompt_gets_the_system_message():
 
 
 def test_training_logs_and_plots_pass_at_k(tmp_path):
-    from hybridrl.trainer.loop import train
+    from hybridrl.job.loop import train
 
     cfg = load_config(None, TINY_MODEL + ["data.train_size=200", "data.eval_size=8", "trainer.sft_steps=5",
                                           "trainer.total_steps=2", "trainer.eval_every=2", "eval.k=3",

@@ -112,8 +112,8 @@ def _is_timing(key: str) -> bool:
 
 
 def run_overrides(overrides: list[str], out_dir: Path) -> list[dict]:
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer.loop import train
+    from hybridrl.config.io import load_config
+    from hybridrl.job.loop import train
 
     cfg = load_config(None, overrides + [f"trainer.output_dir={out_dir}"])
     result = train(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrl.config_io import load_config
+from hybridrl.config.io import load_config
 
 
 def _moe_checkpoint(tmp_path):
@@ -13,7 +13,7 @@ def _moe_checkpoint(tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from hybridrl.data.char_tokenizer import build_char_tokenizer
-    from hybridrl.trainer.checkpoint import save_checkpoint_atomic
+    from hybridrl.checkpoint.atomic import save_checkpoint_atomic
 
     tok = build_char_tokenizer()
     cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
@@ -27,7 +27,7 @@ def _moe_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("quantization", [None, "mxfp4"])
 def test_grpo_on_a_moe_policy(tmp_path, quantization):
-    from hybridrl.trainer.loop import train
+    from hybridrl.job.loop import train
 
     ckpt = _moe_checkpoint(tmp_path)
     rows = "".join('{"prompt": "%d+%d=", "answer": "%d"}\n' % (a, b, a + b) for a in range(10, 30) for b in range(3))
@@ -48,7 +48,7 @@ def test_grpo_on_a_moe_policy(tmp_path, quantization):
 def test_routing_replay_and_router_loss_in_training(tmp_path):
     """With MXFP4 experts the engine's expert choices differ from the float32 trainer's;
     replaying them closes most of the log-prob gap. The router loss is logged and finite."""
-    from hybridrl.trainer.loop import train
+    from hybridrl.job.loop import train
 
     ckpt = _moe_checkpoint(tmp_path)
     rows = "".join('{"prompt": "%d+%d=", "answer": "%d"}\n' % (a, b, a + b) for a in range(10, 30) for b in range(3))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hybridrl.config_io import load_config
-from hybridrl.trainer.loop import train
+from hybridrl.config.io import load_config
+from hybridrl.job.loop import train
 
 
 @pytest.mark.slow

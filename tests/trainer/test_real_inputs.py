@@ -4,11 +4,11 @@ import json
 
 from _tiny import TINY_MODEL
 
-from hybridrl.config_io import load_config
+from hybridrl.config.io import load_config
 from hybridrl.data.char_tokenizer import build_char_tokenizer
-from hybridrl.trainer.checkpoint import save_checkpoint_atomic
-from hybridrl.trainer.loop import train
-from hybridrl.trainer.model_factory import builtin_model
+from hybridrl.checkpoint.atomic import save_checkpoint_atomic
+from hybridrl.job.loop import train
+from hybridrl.job.model_factory import builtin_model
 
 
 def test_local_checkpoint_and_jsonl(tmp_path):
@@ -26,7 +26,7 @@ def test_local_checkpoint_and_jsonl(tmp_path):
         "trainer.eval_every=2", "logging.tensorboard=false", "logging.plot=false",
         f"trainer.output_dir={tmp_path}", "trainer.run_name=real",
     ])
-    import hybridrl.trainer.loop as loop
+    import hybridrl.job.loop as loop
 
     real_build = loop.build_run
     loop.build_run = lambda c: real_build(c, console=logs.append)

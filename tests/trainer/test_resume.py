@@ -15,7 +15,7 @@ import pytest
 import torch
 from _tiny import TINY_MODEL
 
-from hybridrl.config_io import load_config
+from hybridrl.config.io import load_config
 
 BASE = TINY_MODEL + ["data.train_size=300", "data.eval_size=16", "trainer.sft_steps=15", "trainer.total_steps=12",
                      "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_last=3", "trainer.threads=1",
@@ -91,13 +91,13 @@ def test_sigint_saves_and_exits_with_one_line(tmp_path):
     assert "Traceback" not in err
     step = int(last[0].split("interrupted at step ")[1].split(":")[0])
     assert (tmp_path / "int" / "checkpoint" / "trainer_state.pt").is_file()
-    from hybridrl.trainer.train_state import checkpoint_step
+    from hybridrl.checkpoint.train_state import checkpoint_step
 
     assert checkpoint_step((tmp_path / "int" / "checkpoint").resolve()) == step
 
 
 def _train(tmp_path, extra):
-    from hybridrl.trainer.loop import train
+    from hybridrl.job.loop import train
 
     return train(load_config(None, BASE + [f"trainer.output_dir={tmp_path}", "logging.progress=false",
                                            "logging.tensorboard=false"] + extra))
@@ -123,7 +123,7 @@ def test_existing_run_is_never_wiped(tmp_path):
 
 
 def test_a_second_run_in_the_same_directory_is_refused(tmp_path):
-    from hybridrl.trainer.run_dir import open_run_dir
+    from hybridrl.job.run_dir import open_run_dir
 
     first = open_run_dir(str(tmp_path), "busy", "auto")
     try:
@@ -145,7 +145,7 @@ def test_run_name_cannot_leave_output_dir(name):
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    from hybridrl.trainer import checkpoint
+    from hybridrl.checkpoint import atomic as checkpoint
 
     _train(tmp_path, ["trainer.total_steps=2", "trainer.run_name=d"])
     link = tmp_path / "d" / "checkpoint"
@@ -166,7 +166,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_resaving_a_step_never_deletes_the_live_checkpoint(tmp_path):
-    from hybridrl.trainer.checkpoint import save_step_dir
+    from hybridrl.checkpoint.atomic import save_step_dir
 
     link = tmp_path / "checkpoint"
     first = save_step_dir(link, 5, lambda d: (d / "a").write_text("1"), keep_last=3)

@@ -17,8 +17,8 @@ def tiny_checkpoint(tmp_path_factory):
     """(checkpoint dir, tokenizer, HF model): the built-in tiny Qwen2 (tied embeddings;
     head_dim 32, the smallest vLLM's CPU attention supports)."""
     from hybridrl.data.char_tokenizer import build_char_tokenizer
-    from hybridrl.trainer.checkpoint import save_checkpoint_atomic
-    from hybridrl.trainer.model_factory import builtin_model
+    from hybridrl.checkpoint.atomic import save_checkpoint_atomic
+    from hybridrl.job.model_factory import builtin_model
 
     tok = build_char_tokenizer()
     model = builtin_model(tok, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

@@ -106,8 +106,8 @@ def test_sleep_frees_the_kv_cache_and_the_refit_wakes_it_in_place():
 
 
 def test_two_grpo_steps_with_fp8_and_free_cache_engine_on_cuda(tmp_path):
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer.loop import train
+    from hybridrl.config.io import load_config
+    from hybridrl.job.loop import train
 
     cfg = load_config(None, [
         "rollout.backend=vllm", "rollout.quantization=fp8", "rollout.free_cache_engine=true",

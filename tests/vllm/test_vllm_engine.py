@@ -359,7 +359,7 @@ def test_torch_state_is_restored_around_vllm(engine, tiny_checkpoint):
 
 def test_unsupported_head_dim_is_rejected_at_construction():
     """vLLM's CPU attention has a fixed head-size list; fail when building, not mid-run."""
-    from hybridrl.trainer.model_factory import builtin_model, builtin_tokenizer
+    from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
     from hybridrl.vllm_backend import VllmEngine
 
     cfg = builtin_model(builtin_tokenizer(), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

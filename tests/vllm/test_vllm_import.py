@@ -12,7 +12,7 @@ import torch
 
 
 def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
-    from hybridrl.trainer.model_factory import builtin_model, builtin_tokenizer
+    from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
     from hybridrl.vllm_backend import VllmEngine, VllmUnavailableError
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # hides an installed vLLM: `import vllm` raises

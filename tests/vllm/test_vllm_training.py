@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from _vllm_helpers import SKIP_NO_VLLM, record_llm_calls
 
-from hybridrl.config_io import load_config
+from hybridrl.config.io import load_config
 
 pytestmark = SKIP_NO_VLLM
 
@@ -27,7 +27,7 @@ def test_five_grpo_steps_on_vllm(tmp_path, monkeypatch):
     update, and its refit wakes the weights, reloads, then wakes the KV cache."""
     import vllm
 
-    from hybridrl.trainer.loop import train
+    from hybridrl.job.loop import train
 
     calls = record_llm_calls(vllm.LLM, monkeypatch)
     result = train(load_config(None, _overrides(tmp_path, 5) + ["rollout.free_cache_engine=true"]))
@@ -47,7 +47,7 @@ def test_five_grpo_steps_on_vllm(tmp_path, monkeypatch):
 def test_grpo_with_fp8_rollout_on_vllm(tmp_path):
     """rollout.quantization=fp8 (model.dtype=bfloat16): two verified GRPO steps, the engine's
     FP8 log-probs within FP8 tolerance of the bf16 trainer's."""
-    from hybridrl.trainer.loop import train
+    from hybridrl.job.loop import train
 
     result = train(load_config(None, _overrides(tmp_path, 2) + ["rollout.quantization=fp8",
                                                                  "model.dtype=bfloat16"]))

@@ -6,10 +6,12 @@ A checkpoint directory holds:
 - the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it),
 - ``critic/`` (HF backbone + value head) when PPO with GAE is on,
 - ``reference.safetensors`` (the frozen KL reference) when KL is on,
-- ``trainer_state.pt``: step, optimizer and LR-schedule states, the step's python RNG
-  (prompt order and per-prompt sampling seeds), torch's global RNG (unseeded greedy
-  decoding) and the mini-batch shuffling generator, numpy's RNG, the KL controller,
-  the weight version, the last eval accuracies, the non-finite streak.
+- ``trainer_state.pt``: the loop's counters (step, last eval accuracies, non-finite
+  streak), the step's components' own ``state_dict()`` (``RLStep.state_dict``: optimizer
+  and LR-schedule states, KL controller, shuffling generator, the engine's weight
+  version), the step's python RNG (prompt order and per-prompt sampling seeds), and the
+  global RNGs (python, torch: unseeded greedy decoding, numpy). This file only collects:
+  every component writes and reads its own part.
 
 Restoring loads the weights *into* the built components (the optimizers keep pointing
 at the same parameters), then the engine is refit from the restored policy before the
@@ -27,7 +29,7 @@ import torch
 
 STATE_FILE = "trainer_state.pt"
 REFERENCE_FILE = "reference.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the components' own state_dicts under "step"
 
 
 @dataclass
@@ -55,20 +57,15 @@ def write_training_state(directory: Path, run, loop: LoopState, rng: random.Rand
         if step.reference is not None:
             save_model(step.reference.model, str(directory / REFERENCE_FILE))
     np_state = np.random.get_state()
-    actor = step.actor.state_dict()
     state = {
         "format": FORMAT_VERSION,
         "sharded": sharded,
         "loop": vars(loop).copy(),
-        "actor": {"scheduler": actor["scheduler"]} if sharded else actor,
-        "critic_optimizer": (None if step.critic is None else "dcp" if sharded else step.critic.optimizer.state_dict()),
-        "kl_coef": float(step.kl_ctrl.value) if step.kl_ctrl is not None else None,
-        "weight_version": step.rollout.version,
+        "step": step.state_dict(optimizers=not sharded),
         "rng": {
             "python_step": _python_state(rng.getstate()),
             "python_global": _python_state(random.getstate()),
             "torch": torch.get_rng_state(),
-            "shuffle": step.generator.get_state(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
         },
     }
@@ -89,33 +86,27 @@ def read_training_state(directory: Path, run, rng: random.Random) -> LoopState:
         raise ValueError(f"trainer.resume: {directory} was written by a "
                          f"{'multi' if state.get('sharded') else 'single'}-process run; resume it the same way "
                          "(a sharded checkpoint's HF export can start a new single-process run with model.path=...)")
-    if (step.critic is None) != (state["critic_optimizer"] is None):
+    if (step.critic is None) != (state["step"]["critic"] is None):
         raise ValueError(f"trainer.resume: {directory} was written with a different algo.advantage.estimator "
                          "(critic present in one and not the other); resume with the run's own config")
     if sharded:
-        from hybridrl.trainer.sharded_checkpoint import load_run_dcp
+        from hybridrl.checkpoint.sharded import load_run_dcp
 
         load_run_dcp(directory, run)
-        step.actor.scheduler.load_state_dict(state["actor"]["scheduler"])
     else:
         load_policy_weights(run.policy, directory)
-        step.actor.load_state_dict(state["actor"])
         if step.critic is not None:
             saved = ValueModel.from_pretrained(directory / "critic")
             step.critic.model.load_state_dict(saved.state_dict())
-            step.critic.optimizer.load_state_dict(state["critic_optimizer"])
         if step.reference is not None:
             load_model(step.reference.model, str(directory / REFERENCE_FILE))
-    if step.kl_ctrl is not None and state["kl_coef"] is not None:
-        step.kl_ctrl.value = state["kl_coef"]
     r = state["rng"]
     rng.setstate(_python_tuple(r["python_step"]))
     random.setstate(_python_tuple(r["python_global"]))
     torch.set_rng_state(r["torch"])
-    step.generator.set_state(r["shuffle"])
     kind, keys, *rest = r["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), int(rest[0]), int(rest[1]), rest[2]))
-    step.rollout.restore(run.policy, version=state["weight_version"])
+    step.load_state_dict(state["step"])  # last: it refits the engine from the restored policy
     return LoopState(**state["loop"])
 
 
@@ -130,10 +121,15 @@ def _load(directory: Path) -> dict:
         raise ValueError(f"trainer.resume: {directory} has no {STATE_FILE}; it is not a hybridrl training "
                          "checkpoint (an HF export can start a new run with model.path=...)")
     try:
-        return torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a corrupt file is a user-facing one-liner
         raise ValueError(f"trainer.resume: {path} is unreadable ({type(e).__name__}); resume from an "
                          "earlier checkpoint in checkpoints/") from None
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"trainer.resume: {path} has format {state.get('format')}, this hybridrl reads "
+                         f"{FORMAT_VERSION}; resume it with the hybridrl that wrote it, or start a new run from its "
+                         "HF export with model.path=...")
+    return state
 
 
 def load_policy_weights(model: torch.nn.Module, directory: Path) -> None:

@@ -17,10 +17,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridrl.config import Config, DataConfig
 from hybridrl.distributed.context import DistContext
-from hybridrl.trainer.metrics_log import MetricsLog
+from hybridrl.job.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
-from hybridrl.trainer.run_dir import RunDir, open_run_dir
+from hybridrl.job.run_dir import RunDir, open_run_dir
 
 Console = Callable[[str], None]
 
@@ -56,7 +56,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     ``dp``: this rank of a data-parallel job; every rank builds the same model and data
     (same seeds) and its own engine; only rank 0 owns the run directory and its logs."""
     from hybridrl.rewards import RewardRunner
-    from hybridrl.trainer.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
+    from hybridrl.job.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
 
     main = dp is None or dp.is_main
     if console is None:
@@ -132,7 +132,7 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
     from hybridrl.trainer.actor import Actor
     from hybridrl.trainer.rollout_worker import RolloutWorker
     from hybridrl.trainer.scoring import RewardScorer
-    from hybridrl.trainer.train_state import checkpoint_step
+    from hybridrl.checkpoint.train_state import checkpoint_step
 
     t, a, r = cfg.trainer, cfg.algo, cfg.rollout
     max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
@@ -163,8 +163,8 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
     shape = BatchShape(prompts_per_step=t.prompts_per_step, samples_per_prompt=r.n,
                        mini_batch_size=t.mini_batch_size, epochs=t.ppo_epochs, max_response_tokens=r.max_tokens)
     step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
-                  train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator)
-    step.dp = dp
+                  train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator,
+                  dp=dp)
     resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
     log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
                      write=dp is None or dp.is_main)

@@ -22,8 +22,8 @@ def rank_main(config_yaml: str, error_dir: str) -> None:
     """One rank: rebuild the config, train; any error → one line in ``error_dir``, exit 1."""
     import yaml
 
-    from hybridrl.config_io import build_config
-    from hybridrl.trainer.loop import train
+    from hybridrl.config.io import build_config
+    from hybridrl.job.loop import train
 
     rank = os.environ.get("RANK", "?")
     try:
@@ -42,7 +42,7 @@ def launch_local(cfg, *, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hybridrl.config_io import config_to_yaml
+    from hybridrl.config.io import config_to_yaml
 
     import logging
 

@@ -48,8 +48,8 @@ class RankActor:
         """Train; returns None on success or the rank's one-line error."""
         import yaml
 
-        from hybridrl.config_io import build_config
-        from hybridrl.trainer.loop import train
+        from hybridrl.config.io import build_config
+        from hybridrl.job.loop import train
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           LOCAL_WORLD_SIZE="1", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
@@ -66,7 +66,7 @@ def launch_ray(cfg) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from hybridrl.config_io import config_to_yaml
+    from hybridrl.config.io import config_to_yaml
 
     t = cfg.trainer
     n, gpu = t.num_workers, t.device.startswith("cuda")

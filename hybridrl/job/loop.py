@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from hybridrl.config import Config
-from hybridrl.config_io import config_to_yaml
-from hybridrl.trainer.build import Run, build_run
-from hybridrl.trainer.interrupt import InterruptFlag, TrainingInterrupted
-from hybridrl.trainer.metrics_log import plot_curves
-from hybridrl.trainer.progress import progress_bar
+from hybridrl.config.io import config_to_yaml
+from hybridrl.job.build import Run, build_run
+from hybridrl.job.interrupt import InterruptFlag, TrainingInterrupted
+from hybridrl.job.metrics_log import plot_curves
+from hybridrl.job.progress import progress_bar
 from hybridrl.trainer.reference import Reference
-from hybridrl.trainer.evaluation import EvalResult, evaluate_prompts
+from hybridrl.job.evaluation import EvalResult, evaluate_prompts
 
 __all__ = ["train", "TrainResult"]
 
@@ -62,7 +62,7 @@ def warm_start(run: Run, cfg: Config) -> None:
     every visit: the warm start then imitates a teacher with a systematic error, which
     only the reward can correct.
     """
-    from hybridrl.trainer.sft import sample_sft_batch, sft_batch, sft_step
+    from hybridrl.job.sft import sample_sft_batch, sft_batch, sft_step
 
     t = cfg.trainer
     steps = t.sft_steps
@@ -113,7 +113,7 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
-    from hybridrl.trainer.train_state import LoopState, read_training_state
+    from hybridrl.checkpoint.train_state import LoopState, read_training_state
 
     run_dir = run.run_dir
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
@@ -124,7 +124,7 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
         warm_start(run, cfg)
         _attach_reference(run, cfg)
         if run.step.dp is not None:
-            shard_for_data_parallel(run)
+            run.step.shard_for_data_parallel()
         warm = evaluate(run)
         warm_acc = warm.accuracy
         run.console(f"eval after warm start: accuracy {warm_acc:.3f}{_extra(warm)}")
@@ -133,7 +133,7 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
     else:
         _attach_reference(run, cfg)  # a placeholder copy; its weights come from the checkpoint
         if run.step.dp is not None:
-            shard_for_data_parallel(run)
+            run.step.shard_for_data_parallel()
         loop = read_training_state(run.directory.resume_from, run, rng)
         if loop.step >= cfg.trainer.total_steps:
             raise ValueError(f"run {run_dir} is already complete at step {loop.step} (trainer.total_steps="
@@ -165,38 +165,17 @@ def _attach_reference(run: Run, cfg: Config) -> None:
             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch))
 
 
-def shard_for_data_parallel(run: Run) -> None:
-    """After the warm start: FSDP2-shard the actor (and reference, critic), give them fresh
-    optimizers over the shards (nothing is lost: RL has not stepped yet), and refit from
-    now on by gathering bucket by bucket."""
-    from hybridrl.distributed.fsdp import shard_model
-    from hybridrl.distributed.refit import refit_sharded
-
-    from hybridrl.trainer import forward, shared_prefix
-
-    routes = {forward.FSDP_ROUTE: forward._logprobs_entropy, shared_prefix.FSDP_ROUTE: shared_prefix._shared_prefix}
-    step = run.step
-    shard_model(step.actor.model, routes)
-    step.actor.reset_optimizer()
-    if step.reference is not None:
-        shard_model(step.reference.model, routes)
-    if step.critic is not None:
-        shard_model(step.critic.model)
-        step.critic.reset_optimizer()
-    step.rollout.refit_impl = refit_sharded
-
-
 def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
     """A full training checkpoint (HF policy + everything a resume needs), atomically.
     Data parallel: every rank takes part in gathering; rank 0 writes (returns None elsewhere)."""
     if run.step.dp is not None:
-        from hybridrl.trainer.sharded_checkpoint import save_data_parallel
-        from hybridrl.trainer.train_state import write_training_state
+        from hybridrl.checkpoint.sharded import save_data_parallel
+        from hybridrl.checkpoint.train_state import write_training_state
 
         return save_data_parallel(run, cfg, loop.step, config_to_yaml(cfg),
                                   lambda directory: write_training_state(directory, run, loop, rng, sharded=True))
-    from hybridrl.trainer.checkpoint import save_step_dir, write_hf
-    from hybridrl.trainer.train_state import write_training_state
+    from hybridrl.checkpoint.atomic import save_step_dir, write_hf
+    from hybridrl.checkpoint.train_state import write_training_state
 
     def write(directory: Path) -> None:
         write_hf(directory, run.policy, run.tokenizer, {"hybridrl_config.yaml": config_to_yaml(cfg)})
@@ -208,7 +187,7 @@ def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
 def _save_final(run: Run, cfg: Config, loop, rng: random.Random) -> Path:
     """The end-of-run checkpoint; if it cannot be written where asked, the weights go to a
     rescue directory under the system temp dir, named in the error."""
-    from hybridrl.trainer.checkpoint import CheckpointWriteError
+    from hybridrl.checkpoint.atomic import CheckpointWriteError
 
     try:
         return save(run, cfg, loop, rng)

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from hybridrl.distributed.checkpoint import DCP_DIR, export_hf, load_dcp, save_dcp
-from hybridrl.trainer.checkpoint import save_step_dir
+from hybridrl.checkpoint.dcp import DCP_DIR, export_hf, load_dcp, save_dcp
+from hybridrl.checkpoint.atomic import save_step_dir
 
 
 def save_data_parallel(run, cfg, step_no: int, config_yaml: str,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridrl.config import Config
-from hybridrl.trainer.evaluation import EvalResult, evaluate_prompts, write_samples
+from hybridrl.job.evaluation import EvalResult, evaluate_prompts, write_samples
 
 
 def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=print) -> EvalResult:
@@ -14,8 +14,8 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
 
     from hybridrl.rewards import RewardRunner
     from hybridrl.rollout import RolloutEngine, SamplingParams
-    from hybridrl.trainer.build import prompt_set_from_files
-    from hybridrl.trainer.model_factory import DTYPES, check_checkpoint, load_tokenizer
+    from hybridrl.job.build import prompt_set_from_files
+    from hybridrl.job.model_factory import DTYPES, check_checkpoint, load_tokenizer
     from hybridrl.trainer.rollout_worker import RolloutWorker
     from hybridrl.trainer.scoring import RewardScorer
 
