@@ -15,6 +15,7 @@ is better, ``ours / baseline`` when higher is better (> 1 means ours wins either
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -173,10 +174,7 @@ def trl_side_inputs(cfg, run, script: str):
     from hybridrl.job.model_factory import builtin_model
 
     m, tok, prompts = cfg.model, run.tokenizer, run.step.train_set
-    model = builtin_model(tok, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-                          num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                          intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
-                          seed=cfg.trainer.seed, dtype=torch.float32)
+    model = builtin_model(tok, dataclasses.replace(m, dtype="float32"), seed=cfg.trainer.seed)
     texts = [tok.bos_token + p for p in prompts.prompt_texts]
     if tok(texts[0], add_special_tokens=False)["input_ids"] != prompts.prompts[0]:
         raise RuntimeError(f"{script}: TRL's prompt tokenization differs from ours; fix the prompt texts")

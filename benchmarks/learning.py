@@ -72,7 +72,7 @@ def bench_config(*, threads: int, output_dir: str, run_name: str = "bench_learni
                  overrides: list[str] | None = None) -> Config:
     """The default job (plus ``overrides``), writing nothing but into ``output_dir``."""
     return load_config(None, [*(overrides or []), f"trainer.threads={threads}", f"trainer.output_dir={output_dir}",
-                              f"trainer.run_name={run_name}", "trainer.save_checkpoint=false",
+                              f"trainer.run_name={run_name}", "checkpoint.save=false",
                               "logging.tensorboard=false", "logging.plot=false", "logging.progress=false"])
 
 
@@ -184,7 +184,7 @@ def build_trl_side(cfg: Config, run, warm_state: dict, *, output_dir: str, on_st
     args = GRPOConfig(
         output_dir=output_dir, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10**9,
         bf16=False, fp16=False, seed=t.seed, max_steps=t.total_steps, dataloader_num_workers=0,
-        per_device_train_batch_size=t.prompts_per_step * r.n, gradient_accumulation_steps=1, steps_per_generation=1,
+        per_device_train_batch_size=cfg.batch.prompts_per_step * r.n, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=r.n, num_iterations=1, max_completion_length=r.max_tokens,
         temperature=r.temperature, top_k=max(r.top_k, 0), top_p=r.top_p, beta=a.kl.coef,
         epsilon=a.policy_loss.clip_ratio_low, epsilon_high=a.policy_loss.clip_ratio_high,
@@ -256,7 +256,7 @@ def compare(args, overrides: list[str]) -> list[dict]:
     every = args.every or (5.0 if args.quick else 30.0)
     tmp = tempfile.mkdtemp(prefix="hybridrl_bench_learning_")
     if args.quick:  # a smoke run of the harness: a short warm start (the default's takes ~1.5 min)
-        overrides = [f"trainer.sft_steps={QUICK_SFT_STEPS}", *overrides]
+        overrides = [f"warm_start.steps={QUICK_SFT_STEPS}", *overrides]
     cfg = bench_config(threads=args.threads, output_dir=tmp, overrides=overrides)
     torch.set_num_threads(args.threads)
     run = build_run(cfg, console=lambda s: None)
@@ -294,12 +294,12 @@ def compare(args, overrides: list[str]) -> list[dict]:
 
         trainer.add_callback(Start())
         d = cfg.algo.dapo
-        print(f"default job: {run.describe_model()}; batch {cfg.trainer.prompts_per_step}x{cfg.rollout.n}, "
+        print(f"default job: {run.describe_model()}; batch {cfg.batch.prompts_per_step}x{cfg.rollout.n}, "
               f"max_tokens {cfg.rollout.max_tokens}, lr {cfg.optim.lr} (warm-up {cfg.optim.warmup_steps}), "
               f"KL {cfg.algo.kl.coef}, threads {torch.get_num_threads()}; ours also: dynamic sampling "
               f"{d.dynamic_sampling} (refill {d.refill_rounds}), entropy bonus {cfg.algo.policy_loss.entropy_coeff}",
               flush=True)
-        print(f"warm start: {cfg.trainer.sft_steps} supervised steps in {sft_s:.1f}s, held-out accuracy "
+        print(f"warm start: {cfg.warm_start.steps} supervised steps in {sft_s:.1f}s, held-out accuracy "
               f"{warm_acc:.3f} (both sides start here); budget {budget:.0f}s per side, checkpoints every "
               f"{every:.0f}s", flush=True)
         trainer.train()

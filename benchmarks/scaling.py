@@ -32,8 +32,8 @@ COMM_MARKERS = ("c10d", "allreduce", "all_reduce", "allgather", "all_gather", "r
 
 
 def _overrides(out: str, steps: int) -> list[str]:
-    return ["trainer.sft_steps=0", f"trainer.total_steps={steps}", "logging.tensorboard=false",
-            "logging.plot=false", "logging.progress=false", "trainer.save_checkpoint=false",
+    return ["warm_start.steps=0", f"trainer.total_steps={steps}", "logging.tensorboard=false",
+            "logging.plot=false", "logging.progress=false", "checkpoint.save=false",
             f"trainer.output_dir={out}"]
 
 

@@ -74,9 +74,9 @@ def bench_config(*, prompts: int, n: int, max_tokens: int, threads: int, output_
         "model": model or {},
         "data": data or {},
         "rollout": {"n": n, "max_tokens": max_tokens, "temperature": 1.0},
-        "trainer": {"prompts_per_step": prompts, "mini_batch_size": prompts * n, "ppo_epochs": 1,
-                    "threads": threads, "output_dir": output_dir, "run_name": "bench_step", "sft_steps": 0,
-                    "save_checkpoint": False},
+        "batch": {"prompts_per_step": prompts, "mini_batch_size": prompts * n, "ppo_epochs": 1},
+        "trainer": {"threads": threads, "output_dir": output_dir, "run_name": "bench_step"},
+        "warm_start": {"steps": 0}, "checkpoint": {"save": False},
         "logging": {"tensorboard": False, "plot": False, "progress": False},
     })
 
@@ -146,7 +146,7 @@ def build_trl(cfg: Config, run, *, steps: int, output_dir: str, after_step):
     r, t = cfg.rollout, cfg.trainer
     model, data, exact_match_reward = trl_side_inputs(cfg, run, "benchmarks/step.py")
 
-    batch = t.prompts_per_step * r.n
+    batch = cfg.batch.prompts_per_step * r.n
     args = GRPOConfig(
         output_dir=output_dir, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10**9,
         bf16=False, fp16=False, seed=t.seed, max_steps=steps, dataloader_num_workers=0,

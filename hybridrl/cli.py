@@ -19,14 +19,14 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     t = cfg.trainer
     try:
-        if t.launcher == "ray" and not launched_distributed():
+        if cfg.launcher.name == "ray" and not launched_distributed():
             from hybridrl.launch.ray_cluster import launch_ray
 
             launch_ray(cfg)
-        elif t.nproc_per_node > 1 and not launched_distributed():
+        elif cfg.launcher.nproc_per_node > 1 and not launched_distributed():
             from hybridrl.launch.elastic import launch_local
 
-            launch_local(cfg, nproc=t.nproc_per_node)
+            launch_local(cfg, nproc=cfg.launcher.nproc_per_node)
         else:
             train(cfg)
     except TrainingInterrupted as e:
@@ -104,15 +104,12 @@ def _plan(args: argparse.Namespace) -> int:
         from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
 
         m = cfg.model
-        hf_config = builtin_model(builtin_tokenizer(), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-                                  num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                                  intermediate_size=m.intermediate_size,
-                                  tie_word_embeddings=m.tie_word_embeddings).config
-    world = t.nnodes * (t.num_workers if t.launcher == "ray" else t.nproc_per_node)
+        hf_config = builtin_model(builtin_tokenizer(), m).config
+    world = cfg.launcher.nnodes * cfg.launcher.ranks
     dtype = DTYPES[cfg.model.dtype]
     plan = plan_memory(hf_config, world_size=world, trainer_dtype=dtype, engine_dtype=dtype,
-                       quantization=r.quantization, batch=min(t.prompts_per_step * r.n // world or 1, 256),
-                       seq_len=cfg.data.max_prompt_length + r.max_tokens, bucket_bytes=t.refit_bucket_mb << 20)
+                       quantization=r.quantization, batch=min(cfg.batch.prompts_per_step * r.n // world or 1, 256),
+                       seq_len=cfg.data.max_prompt_length + r.max_tokens, bucket_bytes=cfg.refit.bucket_mb << 20)
     print(plan.table(args.device_gib))
     return 0
 
@@ -141,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(fn=_eval)
     pl = sub.add_parser("plan", help="per-device memory of a (data-parallel) job, from the real sharding code",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="e.g. hybridrl plan --shape qwen2.5-7b trainer.nnodes=8 trainer.nproc_per_node=8 "
+                        epilog="e.g. hybridrl plan --shape qwen2.5-7b launcher.nnodes=8 launcher.nproc_per_node=8 "
                                "model.dtype=bfloat16 --device-gib 80")
     pl.add_argument("--config", help="YAML file with groups of keys")
     pl.add_argument("--shape", help="a built-in model shape instead of model.path: qwen2.5-0.5b | qwen2.5-7b | qwen2.5-32b")
     pl.add_argument("--device-gib", type=float, default=None, help="device memory to check the plan against")
-    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.nproc_per_node=8")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. launcher.nproc_per_node=8")
     pl.set_defaults(fn=_plan)
     g = sub.add_parser("generate", help="sample from a local HF checkpoint with the built-in engine")
     g.add_argument("--model", required=True, help="local HF checkpoint directory")

@@ -4,7 +4,7 @@
 
 Two runs of the default job (built-in arithmetic task and model, no warm start so it is
 quick): ``model.dtype=bfloat16``, and the same with ``rollout.quantization=fp8``; both with
-``trainer.refit_verify=true`` (every refit's addresses and checksums checked) and CUDA
+``refit.verify=true`` (every refit's addresses and checksums checked) and CUDA
 graphs on. After the steps it asserts that the decode graphs were captured and actually
 replayed, that every step refit the engine (weight_version advanced once per step, after
 the first load) and that the step metrics are finite. One JSON line per run goes to
@@ -28,15 +28,15 @@ CASES = {
 }
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
         "model.num_key_value_heads=1", "model.intermediate_size=64", "rollout.n=2", "rollout.max_tokens=4",
-        "trainer.prompts_per_step=2", "data.train_size=50", "data.eval_size=4"]
+        "batch.prompts_per_step=2", "data.train_size=50", "data.eval_size=4"]
 
 
 def run_case(name: str, extra: list[str], *, device: str, steps: int, out_dir: Path, tiny: bool) -> dict:
     from hybridrl.config.io import load_config
     from hybridrl.job.build import build_run
 
-    overrides = [f"trainer.device={device}", "trainer.refit_verify=true", "trainer.sft_steps=0",
-                 f"trainer.total_steps={steps}", "trainer.save_checkpoint=false", "trainer.resume=off",
+    overrides = [f"trainer.device={device}", "refit.verify=true", "warm_start.steps=0",
+                 f"trainer.total_steps={steps}", "checkpoint.save=false", "checkpoint.resume=off",
                  "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
                  f"trainer.output_dir={out_dir}", f"trainer.run_name=e2e_{name}_{time.time_ns()}",
                  *extra, *(TINY if tiny else [])]

@@ -6,12 +6,12 @@ from hybridrl.cli import main
 from hybridrl.data.char_tokenizer import build_char_tokenizer
 from hybridrl.checkpoint.atomic import save_checkpoint_atomic
 from hybridrl.job.model_factory import builtin_model
+from hybridrl.config import ModelConfig
 
 
 def test_generate_matches_transformers_greedy(tmp_path, capsys):
     tok = build_char_tokenizer()
-    model = builtin_model(tok, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                          intermediate_size=64, seed=3, tie_word_embeddings=False)
+    model = builtin_model(tok, ModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=False), seed=3)
     ckpt = save_checkpoint_atomic(model, tok, tmp_path / "ckpt")
     assert main(["generate", "--model", str(ckpt), "--max-tokens", "6", "12+34=", "7*8="]) == 0
     lines = capsys.readouterr().out.splitlines()

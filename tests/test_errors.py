@@ -9,13 +9,13 @@ from hybridrl.cli import main
 from hybridrl.data.char_tokenizer import build_char_tokenizer
 from hybridrl.checkpoint.atomic import save_checkpoint_atomic
 from hybridrl.job.model_factory import builtin_model
+from hybridrl.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     tok = build_char_tokenizer()
-    model = builtin_model(tok, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                          intermediate_size=32, seed=0)
+    model = builtin_model(tok, ModelConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, tie_word_embeddings=True), seed=0)
     link = save_checkpoint_atomic(model, tok, tmp_path_factory.mktemp("ckpt") / "model")
     return link.resolve()
 

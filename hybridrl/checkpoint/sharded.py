@@ -48,7 +48,7 @@ def save_data_parallel(run, cfg, step_no: int, config_yaml: str,
         write_state(directory)
 
     try:
-        return save_step_dir(run.run_dir / "checkpoint", step_no, write, keep_last=cfg.trainer.keep_last)
+        return save_step_dir(run.run_dir / "checkpoint", step_no, write, keep_last=cfg.checkpoint.keep_last)
     finally:
         dist.barrier()
 

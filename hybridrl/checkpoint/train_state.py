@@ -83,11 +83,11 @@ def read_training_state(directory: Path, run, rng: random.Random) -> LoopState:
     step = run.step
     sharded = step.dp is not None
     if bool(state.get("sharded")) != sharded:
-        raise ValueError(f"trainer.resume: {directory} was written by a "
+        raise ValueError(f"checkpoint.resume: {directory} was written by a "
                          f"{'multi' if state.get('sharded') else 'single'}-process run; resume it the same way "
                          "(a sharded checkpoint's HF export can start a new single-process run with model.path=...)")
     if (step.critic is None) != (state["step"]["critic"] is None):
-        raise ValueError(f"trainer.resume: {directory} was written with a different algo.advantage.estimator "
+        raise ValueError(f"checkpoint.resume: {directory} was written with a different algo.advantage.estimator "
                          "(critic present in one and not the other); resume with the run's own config")
     if sharded:
         from hybridrl.checkpoint.sharded import load_run_dcp
@@ -118,15 +118,15 @@ def checkpoint_step(directory: Path) -> int:
 def _load(directory: Path) -> dict:
     path = directory / STATE_FILE
     if not path.is_file():
-        raise ValueError(f"trainer.resume: {directory} has no {STATE_FILE}; it is not a hybridrl training "
+        raise ValueError(f"checkpoint.resume: {directory} has no {STATE_FILE}; it is not a hybridrl training "
                          "checkpoint (an HF export can start a new run with model.path=...)")
     try:
         state = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a corrupt file is a user-facing one-liner
-        raise ValueError(f"trainer.resume: {path} is unreadable ({type(e).__name__}); resume from an "
+        raise ValueError(f"checkpoint.resume: {path} is unreadable ({type(e).__name__}); resume from an "
                          "earlier checkpoint in checkpoints/") from None
     if state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"trainer.resume: {path} has format {state.get('format')}, this hybridrl reads "
+        raise ValueError(f"checkpoint.resume: {path} has format {state.get('format')}, this hybridrl reads "
                          f"{FORMAT_VERSION}; resume it with the hybridrl that wrote it, or start a new run from its "
                          "HF export with model.path=...")
     return state
@@ -140,7 +140,7 @@ def load_policy_weights(model: torch.nn.Module, directory: Path) -> None:
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
-        raise ValueError(f"trainer.resume: the policy in {directory} does not match the configured model "
+        raise ValueError(f"checkpoint.resume: the policy in {directory} does not match the configured model "
                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}); "
                          "resume with the run's own config")
 

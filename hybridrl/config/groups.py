@@ -9,6 +9,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, RefitConfig, TrainerConfig,
+                                 WarmStartConfig)
 from hybridrl.config.algo import AlgoConfig
 from hybridrl.config.base import ConfigError, _f, check_number
 
@@ -28,6 +30,13 @@ class ModelConfig:
     # that gets a tied model to 61%.
     tie_word_embeddings: bool = _f(False, "built-in model: share the input embedding and lm_head")
     dtype: str = _f("float32", "trainer dtype: float32 | bfloat16")
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as a ``torch.dtype`` (torch imported on first use: configs stay light)."""
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -146,7 +155,6 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = _f(1e-4, "RL learning rate (AdamW)")
-    sft_lr: float = _f(1e-3, "warm-start (supervised) learning rate")
     critic_lr: float = _f(1e-3, "critic learning rate (gae only)")
     betas: list[float] = _f([0.9, 0.99], "AdamW betas")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -154,77 +162,12 @@ class OptimConfig:
     grad_clip: float = _f(1.0, "max gradient norm")
 
     def __post_init__(self) -> None:
-        for key in ("lr", "sft_lr", "critic_lr", "grad_clip"):
+        for key in ("lr", "critic_lr", "grad_clip"):
             check_number(getattr(self, key), f"optim.{key}", low=0, low_open=True)
         check_number(self.weight_decay, "optim.weight_decay", low=0)
         check_number(self.warmup_steps, "optim.warmup_steps", low=0)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optim.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.99]")
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    total_steps: int = _f(300, "RL steps (one rollout batch each)")
-    prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
-    mini_batch_size: int | None = _f(None, "responses per optimizer step (must divide the batch); null = the whole batch: on-policy, no old-log-prob pass")
-    ppo_epochs: int = _f(1, "passes over each rollout batch")
-    max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
-    shared_prefix: bool = _f(True, "run each group's prompt once in the trainer forward (when a mini-batch is one micro-batch)")
-    sft_steps: int = _f(3000, "supervised warm-start steps before RL (0 = none)")
-    sft_batch_size: int = _f(64, "warm-start batch size")
-    eval_every: int = _f(25, "evaluate held-out accuracy every k RL steps")
-    seed: int = _f(0, "seed for model init, sampling and shuffling")
-    device: str = _f("cpu", "cpu | cuda | cuda:N")
-    threads: int = _f(0, "torch CPU threads; 0 = all cores")
-    output_dir: str = _f("runs", "parent of the run directory")
-    run_name: str = _f("default", "run directory name under output_dir")
-    save_checkpoint: bool = _f(True, "write an HF-format checkpoint at the end")
-    save_every: int = _f(100, "also checkpoint every k RL steps, bounding lost work (0 = only at the end)")
-    keep_last: int = _f(2, "checkpoints kept in run_dir/checkpoints (older ones are pruned)")
-    resume: str = _f("auto", "auto: continue the run in run_dir from its latest checkpoint (a new run when the "
-                             "directory is new) | off: refuse an existing run directory | PATH: a checkpoint dir")
-    max_nonfinite_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss/gradient")
-    nnodes: int = _f(1, "hosts of a multi-host job (torchrun --nnodes; used by `hybridrl plan`)")
-    nproc_per_node: int = _f(1, "data-parallel ranks to start on this host (FSDP2; gloo on CPU, NCCL on CUDA); "
-                                "also set by torchrun")
-    launcher: str = _f("local", "local (torch's elastic launcher / torchrun) | ray (Ray actors in a placement group)")
-    num_workers: int = _f(1, "launcher=ray: data-parallel ranks (one Ray actor each)")
-    ray_address: str | None = _f(None, "launcher=ray: cluster address (auto = a running `ray start` cluster); "
-                                       "null starts a local Ray instance")
-    ray_placement: str = _f("PACK", "launcher=ray: placement strategy of the ranks' bundles (PACK | SPREAD | STRICT_SPREAD)")
-    dist_timeout_s: float = _f(300.0, "collective timeout: a failed rank takes the job down within it")
-    refit_bucket_mb: int = _f(64, "refit bucket size (MiB)")
-    refit_verify: bool = _f(False, "check engine addresses and checksums after every refit")
-
-    def __post_init__(self) -> None:
-        if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            raise ConfigError(f"trainer.mini_batch_size={self.mini_batch_size}: must be >= 1 (or null = whole batch)")
-        for key in ("prompts_per_step", "ppo_epochs", "eval_every", "sft_batch_size",
-                    "max_tokens_per_microbatch", "refit_bucket_mb"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= 1")
-        for key in ("total_steps", "sft_steps", "threads", "save_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= 0")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
-        check_number(self.keep_last, "trainer.keep_last", low=1)
-        check_number(self.nproc_per_node, "trainer.nproc_per_node", low=1)
-        check_number(self.nnodes, "trainer.nnodes", low=1)
-        check_number(self.num_workers, "trainer.num_workers", low=1)
-        check_number(self.dist_timeout_s, "trainer.dist_timeout_s", low=0, low_open=True)
-        if self.launcher not in ("local", "ray"):
-            raise ConfigError(f"trainer.launcher={self.launcher!r}: use local or ray")
-        if self.ray_placement not in ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"):
-            raise ConfigError(f"trainer.ray_placement={self.ray_placement!r}: use PACK, SPREAD, STRICT_SPREAD "
-                              "or STRICT_PACK")
-        check_number(self.max_nonfinite_steps, "trainer.max_nonfinite_steps", low=1)
-        name = self.run_name
-        if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("~"):
-            raise ConfigError(f"trainer.run_name={name!r}: must be a plain directory name inside "
-                              "trainer.output_dir (no '/', '..' or absolute paths)")
-        if not self.resume:
-            raise ConfigError("trainer.resume='': use auto, off, or a checkpoint directory")
 
 
 @dataclass(kw_only=True)
@@ -253,18 +196,23 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        batch = self.trainer.prompts_per_step * self.rollout.n
-        if self.trainer.mini_batch_size is None:
-            self.trainer.mini_batch_size = batch
-        if batch % self.trainer.mini_batch_size:
+        batch = self.batch.prompts_per_step * self.rollout.n
+        if self.batch.mini_batch_size is None:
+            self.batch.mini_batch_size = batch
+        if batch % self.batch.mini_batch_size:
             raise ConfigError(
-                f"trainer.mini_batch_size={self.trainer.mini_batch_size} does not divide the batch "
-                f"trainer.prompts_per_step * rollout.n = {batch}; pick a divisor of {batch}")
+                f"batch.mini_batch_size={self.batch.mini_batch_size} does not divide the batch "
+                f"batch.prompts_per_step * rollout.n = {batch}; pick a divisor of {batch}")
         estimator = self.algo.advantage.estimator
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
             raise ConfigError(f"algo.advantage.estimator={estimator} needs groups: set rollout.n >= 2")
@@ -274,20 +222,20 @@ class Config:
         if self.rollout.temperature == 0 and self.rollout.n > 1:
             raise ConfigError("rollout.temperature=0 makes all rollout.n samples of a prompt identical "
                               "(zero advantage); use a temperature > 0")
-        ranks = self.trainer.num_workers if self.trainer.launcher == "ray" else self.trainer.nproc_per_node
+        ranks = self.launcher.ranks
         if ranks > 1:
-            if self.trainer.prompts_per_step % ranks or self.trainer.mini_batch_size % ranks:
-                raise ConfigError(f"trainer.prompts_per_step={self.trainer.prompts_per_step} and "
-                                  f"trainer.mini_batch_size={self.trainer.mini_batch_size} must split evenly over "
+            if self.batch.prompts_per_step % ranks or self.batch.mini_batch_size % ranks:
+                raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} and "
+                                  f"batch.mini_batch_size={self.batch.mini_batch_size} must split evenly over "
                                   f"{ranks} ranks (whole prompt groups per rank); use multiples of {ranks}")
             if self.rollout.backend == "vllm":
                 raise ConfigError("rollout.backend=vllm runs one in-process engine per process and holds its own "
-                                  "torch.distributed group: use it with one rank (trainer.nproc_per_node=1)")
+                                  "torch.distributed group: use it with one rank (launcher.nproc_per_node=1)")
             if self.algo.dapo.refill_rounds:
                 raise ConfigError("algo.dapo.refill_rounds > 0 is single-process only for now (ranks would refill "
                                   "different numbers of rounds); set it to 0 with several ranks")
-        if not self.data.train_files and self.trainer.prompts_per_step > self.data.train_size:
-            raise ConfigError(f"trainer.prompts_per_step={self.trainer.prompts_per_step} exceeds "
+        if not self.data.train_files and self.batch.prompts_per_step > self.data.train_size:
+            raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} exceeds "
                               f"data.train_size={self.data.train_size}; lower it or add prompts")
 
 

@@ -24,6 +24,28 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 # Keys of earlier releases -> where they live now (one-line error naming the new key).
 RENAMED = {
+    # the 28-field trainer group, split by concern (config/job.py)
+    "trainer.prompts_per_step": "batch.prompts_per_step",
+    "trainer.mini_batch_size": "batch.mini_batch_size",
+    "trainer.ppo_epochs": "batch.ppo_epochs",
+    "trainer.max_tokens_per_microbatch": "batch.max_tokens_per_microbatch",
+    "trainer.shared_prefix": "batch.shared_prefix",
+    "trainer.sft_steps": "warm_start.steps",
+    "trainer.sft_batch_size": "warm_start.batch_size",
+    "optim.sft_lr": "warm_start.lr",
+    "trainer.save_checkpoint": "checkpoint.save",
+    "trainer.save_every": "checkpoint.every",
+    "trainer.keep_last": "checkpoint.keep_last",
+    "trainer.resume": "checkpoint.resume",
+    "trainer.launcher": "launcher.name",
+    "trainer.nnodes": "launcher.nnodes",
+    "trainer.nproc_per_node": "launcher.nproc_per_node",
+    "trainer.num_workers": "launcher.num_workers",
+    "trainer.ray_address": "launcher.ray_address",
+    "trainer.ray_placement": "launcher.ray_placement",
+    "trainer.dist_timeout_s": "launcher.timeout_s",
+    "trainer.refit_bucket_mb": "refit.bucket_mb",
+    "trainer.refit_verify": "refit.verify",
     "algo.adv_estimator": "algo.advantage.estimator",
     "algo.norm_adv_by_std_in_grpo": "algo.advantage.norm_by_std",
     "algo.gamma": "algo.advantage.gamma",

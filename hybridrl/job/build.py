@@ -1,7 +1,8 @@
 """Build a run from a :class:`Config`: data, the typed components, the step, the logs.
 
-Each component receives its own config object (``algo.policy_loss``, ``algo.kl``,
-``algo.value``, ``optim``) or plain values, never the whole ``Config``.
+Each component builds itself from the run's config in one call (``Actor.from_config``,
+``Critic.from_config``, ``RolloutWorker.from_config``, ``BatchShape.from_config``); no
+attribute of a component is set from outside after construction.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ class Run:
 
 
 def build_run(cfg: Config, console: Console | None = None, dp: DistContext | None = None) -> Run:
-    """Data, model, reward, run directory (locked), then the components (``_build``).
+    """Data, model, reward, run directory (locked), then the components (``_step``).
 
     ``dp``: this rank of a data-parallel job; every rank builds the same model and data
     (same seeds) and its own engine; only rank 0 owns the run directory and its logs."""
     from hybridrl.rewards import RewardRunner
+    from hybridrl.checkpoint.train_state import checkpoint_step
     from hybridrl.job.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
 
     main = dp is None or dp.is_main
@@ -63,7 +65,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         from tqdm.auto import tqdm
 
         console = tqdm.write if main else (lambda line: None)  # tqdm.write prints above an active bar
-    t, m, a, r = cfg.trainer, cfg.model, cfg.algo, cfg.rollout
+    t, m = cfg.trainer, cfg.model
     if t.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"trainer.device={t.device}: this torch build sees no CUDA device "
                          f"(torch {torch.__version__}); use trainer.device=cpu or install a CUDA build of torch")
@@ -77,10 +79,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         model, tokenizer = load_pretrained(m.path, dtype)
     else:
         tokenizer = builtin_tokenizer()
-        model = builtin_model(tokenizer, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-                              num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                              intermediate_size=m.intermediate_size, tie_word_embeddings=m.tie_word_embeddings,
-                              seed=t.seed, dtype=dtype)
+        model = builtin_model(tokenizer, m, seed=t.seed)
     device = dp.device if dp is not None else torch.device(t.device)
     model.to(device)
     sft = None
@@ -88,9 +87,9 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         train_set, eval_set = _file_data(cfg, tokenizer, console)
     else:
         train_set, eval_set, sft = _arithmetic_data(cfg, tokenizer)
-    if len(train_set) < t.prompts_per_step:
-        raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(train_set)} usable "
-                         "training prompts; lower trainer.prompts_per_step or add data")
+    if len(train_set) < cfg.batch.prompts_per_step:
+        raise ValueError(f"batch.prompts_per_step={cfg.batch.prompts_per_step} exceeds the {len(train_set)} usable "
+                         "training prompts; lower batch.prompts_per_step or add data")
     runner = RewardRunner.from_config(cfg.reward, report=console)
     try:
         directory = _open_dir(cfg, dp)
@@ -98,7 +97,13 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         runner.close()
         raise
     try:
-        return _build(cfg, console, directory, model, tokenizer, runner, train_set, eval_set, sft, dtype, device, dp)
+        longest = max(len(p) for p in train_set.prompts + eval_set.prompts)  # the engine serves both
+        step = _step(cfg, model, tokenizer, runner, train_set, longest, device, dp)
+        resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
+        log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
+                         write=dp is None or dp.is_main)
+        return Run(cfg=cfg, run_dir=directory.path, directory=directory, tokenizer=tokenizer, step=step,
+                   eval_set=eval_set, sft_pairs=sft, log=log, console=console)
     except BaseException:
         directory.close()
         runner.close()
@@ -110,13 +115,13 @@ def _open_dir(cfg: Config, dp: DistContext | None) -> RunDir:
     whether the run resumes, so every rank takes the same path (or raises the same error)."""
     t = cfg.trainer
     if dp is None:
-        return open_run_dir(t.output_dir, t.run_name, t.resume)
+        return open_run_dir(t.output_dir, t.run_name, cfg.checkpoint.resume)
     import torch.distributed as dist
 
     directory, error = None, None
     if dp.is_main:
         try:
-            directory = open_run_dir(t.output_dir, t.run_name, t.resume)
+            directory = open_run_dir(t.output_dir, t.run_name, cfg.checkpoint.resume)
         except ValueError as e:
             error = str(e)
     box = [error, None if directory is None else directory.resume_from]
@@ -126,60 +131,44 @@ def _open_dir(cfg: Config, dp: DistContext | None) -> RunDir:
     return directory if directory is not None else RunDir(Path(t.output_dir).resolve() / t.run_name, box[1], -1)
 
 
-def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, runner, train_set: PromptSet,
-           eval_set: PromptSet, sft, dtype: torch.dtype, device: torch.device, dp: DistContext | None) -> Run:
-    from hybridrl.rollout import RolloutEngine, SamplingParams
+def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_prompt: int, device: torch.device,
+          dp: DistContext | None) -> RLStep:
+    """The components, each built from the run's config in one call, and the step over them."""
     from hybridrl.trainer.actor import Actor
+    from hybridrl.trainer.critic import Critic
     from hybridrl.trainer.rollout_worker import RolloutWorker
     from hybridrl.trainer.scoring import RewardScorer
-    from hybridrl.checkpoint.train_state import checkpoint_step
 
-    t, a, r = cfg.trainer, cfg.algo, cfg.rollout
-    max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
-    ranks = dp.world_size if dp is not None else 1
-    max_batch = min(t.prompts_per_step * r.n // ranks, 256)
+    engine = build_engine(cfg, model.config, device=device, ranks=dp.world_size if dp is not None else 1,
+                          longest_prompt=longest_prompt)
+    actor = Actor.from_config(model, cfg)
+    rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
+                                        device=device)
+    rollout.refit(model)  # first load = the refit path
+    critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
+    return RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
+                  train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0),
+                  generator=torch.Generator().manual_seed(cfg.trainer.seed), dp=dp)
+
+
+def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int):
+    """The run's rollout engine (``rollout.backend``), sized for this rank's share of a
+    step's responses and the longest prompt plus ``rollout.max_tokens``."""
+    r, t = cfg.rollout, cfg.trainer
+    dtype = cfg.model.torch_dtype
+    max_batch = min(cfg.batch.prompts_per_step * r.n // ranks, 256)
+    max_seq = longest_prompt + r.max_tokens
     if r.backend == "vllm":
         from hybridrl.vllm_backend import VllmEngine
 
-        engine = VllmEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
-                            dtype=dtype, device=device, seed=t.seed, quantization=r.quantization,
-                            enforce_eager=r.enforce_eager, free_cache_engine=r.free_cache_engine)
-    else:
-        engine = RolloutEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
-                               dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager,
-                               record_routing=r.routing_replay)
-    actor = Actor(model, optim=cfg.optim, policy_loss=a.policy_loss, kl=a.kl, loss_agg_mode=a.loss_agg_mode,
-                  temperature=r.temperature, loss_scale_factor=float(r.max_tokens),
-                  max_tokens_per_microbatch=t.max_tokens_per_microbatch, shared_prefix=t.shared_prefix,
-                  router_aux_loss_coef=a.router_aux_loss_coef)
-    eos = tokenizer.eos_token_id
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
-                              stop_token_ids=(eos,) if eos is not None else (), n=r.n)
-    rollout = RolloutWorker(engine, sampling, device=device, bucket_bytes=t.refit_bucket_mb << 20,
-                            verify_refit=t.refit_verify)
-    generator = torch.Generator().manual_seed(t.seed)
-    rollout.refit(model)  # first load = the refit path
-    critic = _critic(cfg, model.config, dtype, device) if a.advantage.estimator == "gae" else None
-    shape = BatchShape(prompts_per_step=t.prompts_per_step, samples_per_prompt=r.n,
-                       mini_batch_size=t.mini_batch_size, epochs=t.ppo_epochs, max_response_tokens=r.max_tokens)
-    step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
-                  train_set=train_set, algo=a, shape=shape, pad_id=tokenizer.pad_token_id or 0, generator=generator,
-                  dp=dp)
-    resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
-    log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
-                     write=dp is None or dp.is_main)
-    return Run(cfg=cfg, run_dir=directory.path, directory=directory, tokenizer=tokenizer, step=step,
-               eval_set=eval_set, sft_pairs=sft, log=log, console=console)
+        return VllmEngine(hf_config, max_batch_size=max_batch, max_seq_len=max_seq,
+                          dtype=dtype, device=device, seed=t.seed, quantization=r.quantization,
+                          enforce_eager=r.enforce_eager, free_cache_engine=r.free_cache_engine)
+    from hybridrl.rollout import RolloutEngine
 
-
-def _critic(cfg: Config, hf_config, dtype: torch.dtype, device: torch.device):
-    from hybridrl.trainer.critic import Critic
-    from hybridrl.trainer.value_model import ValueModel
-
-    t = cfg.trainer
-    model = ValueModel.from_config(hf_config, dtype=dtype, seed=t.seed).to(device)
-    return Critic(model, optim=cfg.optim, value=cfg.algo.value, loss_agg_mode=cfg.algo.loss_agg_mode,
-                  loss_scale_factor=float(cfg.rollout.max_tokens), max_tokens_per_microbatch=t.max_tokens_per_microbatch)
+    return RolloutEngine(hf_config, max_batch_size=max_batch, max_seq_len=max_seq,
+                         dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager,
+                         record_routing=r.routing_replay)
 
 
 def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tuple]:

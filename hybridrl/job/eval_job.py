@@ -13,10 +13,10 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
     import torch
 
     from hybridrl.rewards import RewardRunner
-    from hybridrl.rollout import RolloutEngine, SamplingParams
+    from hybridrl.rollout import RolloutEngine
     from hybridrl.job.build import prompt_set_from_files
     from hybridrl.job.model_factory import DTYPES, check_checkpoint, load_tokenizer
-    from hybridrl.trainer.rollout_worker import RolloutWorker
+    from hybridrl.trainer.rollout_worker import RolloutWorker, sampling_params
     from hybridrl.trainer.scoring import RewardScorer
 
     files = cfg.data.val_files or cfg.data.train_files
@@ -33,11 +33,8 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
     engine = RolloutEngine.from_pretrained(model_dir, max_batch_size=min(256, max(1, len(prompts)) * max(1, cfg.eval.k)),
                                            max_seq_len=longest + r.max_tokens, dtype=DTYPES[cfg.model.dtype],
                                            device=cfg.trainer.device)
-    eos = tokenizer.eos_token_id
-    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
-                              stop_token_ids=(eos,) if eos is not None else ())
-    worker = RolloutWorker(engine, sampling, device=torch.device(cfg.trainer.device), bucket_bytes=1 << 26,
-                           verify_refit=False)
+    worker = RolloutWorker(engine, sampling_params(r, tokenizer.eos_token_id), device=torch.device(cfg.trainer.device),
+                           bucket_bytes=1 << 26, verify_refit=False)
     runner = RewardRunner.from_config(cfg.reward)
     try:
         result = evaluate_prompts(worker, RewardScorer(runner, tokenizer), prompts, k=cfg.eval.k,

@@ -65,22 +65,22 @@ def warm_start(run: Run, cfg: Config) -> None:
     from hybridrl.job.sft import sample_sft_batch, sft_batch, sft_step
 
     t = cfg.trainer
-    steps = t.sft_steps
+    steps = cfg.warm_start.steps
     if steps <= 0 or run.sft_pairs is None:
         return
     prompts, answers, slips = run.sft_pairs
     slip_rng = random.Random(t.seed + 7919)  # its own stream: the batches are those of a slip-free run
     model, device = run.policy, run.step.rollout.device
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.sft_lr, betas=tuple(cfg.optim.betas),
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr, betas=tuple(cfg.optim.betas),
                             weight_decay=cfg.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.05, 1 - s / steps))
     rng = random.Random(t.seed)
     model.train()
     bar = progress_bar(range(steps), desc="warm start", enabled=cfg.logging.progress)
     for _ in bar:
-        p, a = sample_sft_batch(rng, prompts, answers, t.sft_batch_size, slips=slips,
+        p, a = sample_sft_batch(rng, prompts, answers, cfg.warm_start.batch_size, slips=slips,
                                 slip_rate=cfg.data.teacher_carry_slip, slip_rng=slip_rng)
-        ids, mask, labels = (x.to(device) for x in sft_batch(p, a, run.step.pad_id))
+        ids, mask, labels = (x.to(device) for x in sft_batch(p, a, run.step.shape.pad_id))
         loss, _ = sft_step(model, opt, ids, mask, labels, cfg.optim.grad_clip)
         sched.step()
         bar.set_postfix(loss=f"{loss:.3f}")
@@ -94,12 +94,12 @@ def warm_start(run: Run, cfg: Config) -> None:
 def train(cfg: Config) -> TrainResult:
     """Run the whole job described by ``cfg``; returns accuracies and the run directory.
 
-    With ``trainer.resume=auto`` an interrupted run continues from its latest checkpoint
+    With ``checkpoint.resume=auto`` an interrupted run continues from its latest checkpoint
     and ends bit-identical to an uninterrupted one (CPU, float32, one thread)."""
     from hybridrl.distributed.context import init_from_env, launched_distributed
 
     t_start = time.perf_counter()
-    dp = init_from_env(cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s) if launched_distributed() else None
+    dp = init_from_env(cfg.trainer.device, timeout_s=cfg.launcher.timeout_s) if launched_distributed() else None
     run = build_run(cfg) if dp is None else build_run(cfg, dp=dp)
     try:
         return _train(run, cfg, t_start)
@@ -149,7 +149,7 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
         _rl_phase(run, cfg, bar, rng, loop, interrupt)
     if cfg.logging.plot and main:
         plot_curves(run.log.rows, run_dir / "curves.png", warm_start_accuracy=loop.warm_start_accuracy)
-    if cfg.trainer.save_checkpoint:
+    if cfg.checkpoint.save:
         _save_final(run, cfg, loop, rng)
     seconds = time.perf_counter() - t_start
     run.console(f"done in {seconds:.0f}s: accuracy {loop.warm_start_accuracy:.3f} (warm start) -> "
@@ -162,7 +162,7 @@ def _attach_reference(run: Run, cfg: Config) -> None:
     if cfg.algo.kl.coef > 0:
         run.step.attach_reference(Reference.frozen_copy_of(
             run.policy, temperature=cfg.rollout.temperature,
-            max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch))
+            max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch))
 
 
 def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
@@ -181,7 +181,7 @@ def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
         write_hf(directory, run.policy, run.tokenizer, {"hybridrl_config.yaml": config_to_yaml(cfg)})
         write_training_state(directory, run, loop, rng)
 
-    return save_step_dir(run.run_dir / "checkpoint", loop.step, write, keep_last=cfg.trainer.keep_last)
+    return save_step_dir(run.run_dir / "checkpoint", loop.step, write, keep_last=cfg.checkpoint.keep_last)
 
 
 def _save_final(run: Run, cfg: Config, loop, rng: random.Random) -> Path:
@@ -244,8 +244,8 @@ def _rl_phase(run: Run, cfg: Config, bar, rng: random.Random, loop, interrupt: I
                              f"step {step}); stopping. Last good checkpoint: {good}; lower optim.lr or check the "
                              "reward scale")
         if _interrupted(run, interrupt):
-            path = save(run, cfg, loop, rng) if t.save_checkpoint else None
-            where = f"checkpoint {path}; continue with trainer.resume=auto" if path else "no checkpoint (saving off)"
+            path = save(run, cfg, loop, rng) if cfg.checkpoint.save else None
+            where = f"checkpoint {path}; continue with checkpoint.resume=auto" if path else "no checkpoint (saving off)"
             raise TrainingInterrupted(f"interrupted at step {step}: {where}", interrupt.signum)
-        if t.save_every and step % t.save_every == 0 and step != t.total_steps and t.save_checkpoint:
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.total_steps and cfg.checkpoint.save:
             save(run, cfg, loop, rng)

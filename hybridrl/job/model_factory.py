@@ -9,6 +9,8 @@ from typing import Iterator
 
 import torch
 
+from hybridrl.config import ModelConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -18,21 +20,20 @@ def builtin_tokenizer():
     return build_char_tokenizer()
 
 
-def builtin_model(tokenizer, *, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
-                  num_key_value_heads: int, intermediate_size: int, max_position_embeddings: int = 128,
-                  tie_word_embeddings: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A random-init Qwen2 causal LM sized for the arithmetic task."""
+def builtin_model(tokenizer, spec: ModelConfig, *, seed: int = 0, max_position_embeddings: int = 128):
+    """A random-init Qwen2 causal LM sized by ``spec`` (``model.*``: sizes, tying, dtype)
+    for the arithmetic task; initialized in float32 from ``seed``, then cast to ``spec.dtype``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        intermediate_size=spec.intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(dtype)
+    model = Qwen2ForCausalLM(config).to(DTYPES[spec.dtype])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 

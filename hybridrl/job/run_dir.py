@@ -72,13 +72,13 @@ def _resume_source(path: Path, resume: str) -> Path | None:
     if resume not in ("auto", "off"):
         source = Path(resume).expanduser()
         if not source.is_dir():
-            raise ValueError(f"trainer.resume={resume!r}: no such checkpoint directory")
+            raise ValueError(f"checkpoint.resume={resume!r}: no such checkpoint directory")
         return source.resolve()
     if not existing:
         return None
     if resume == "off":
         raise ValueError(f"run directory {path} already holds a run ({', '.join(existing)}); continue it with "
-                         "trainer.resume=auto, or choose another trainer.run_name")
+                         "checkpoint.resume=auto, or choose another trainer.run_name")
     if latest.is_symlink() and latest.exists():
         return latest.resolve()
     raise ValueError(f"run directory {path} holds a run ({', '.join(existing)}) but no checkpoint to resume "

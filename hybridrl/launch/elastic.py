@@ -1,4 +1,4 @@
-"""``trainer.nproc_per_node=N``: start N data-parallel ranks on this host with torch's
+"""``launcher.nproc_per_node=N``: start N data-parallel ranks on this host with torch's
 elastic launcher (the machinery behind ``torchrun``), no shell scripts.
 
 Failure handling: each rank catches its own error and records it as one line; when a

@@ -1,11 +1,11 @@
-"""``trainer.launcher=ray``: one Ray actor per data-parallel rank, in a placement group.
+"""``launcher.name=ray``: one Ray actor per data-parallel rank, in a placement group.
 
 Each actor sets the ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``
 environment that torch.distributed reads (rank 0's node address and a free port on it
 as the rendezvous) and runs the same training step as any other rank. On one host
 ``ray.init()`` is started for you; across hosts start a cluster (``ray start --head``
 on one, ``ray start --address=HEAD:6379`` on the others) and pass
-``trainer.ray_address=auto``. ``trainer.ray_placement=STRICT_SPREAD`` puts every rank on
+``launcher.ray_address=auto``. ``launcher.ray_placement=STRICT_SPREAD`` puts every rank on
 its own node.
 
 Failure: the first rank that fails (an error, or its actor dies) ends the job: the other
@@ -25,7 +25,7 @@ def _require_ray():
     try:
         import ray
     except ImportError:
-        raise ValueError("trainer.launcher=ray needs Ray: pip install 'hybridrl[ray]'") from None
+        raise ValueError("launcher.name=ray needs Ray: pip install 'hybridrl[ray]'") from None
     return ray
 
 
@@ -69,20 +69,20 @@ def launch_ray(cfg) -> None:
     from hybridrl.config.io import config_to_yaml
 
     t = cfg.trainer
-    n, gpu = t.num_workers, t.device.startswith("cuda")
+    n, gpu = cfg.launcher.num_workers, t.device.startswith("cuda")
     if t.threads == 0:  # each rank gets its bundle's cores
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(t, threads=CPUS_PER_RANK))
     started = not ray.is_initialized()
     if started:
-        ray.init(address=t.ray_address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=cfg.launcher.ray_address, include_dashboard=False, log_to_driver=True)
     bundle = {"CPU": CPUS_PER_RANK, **({"GPU": 1} if gpu else {})}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=t.ray_placement)
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.launcher.ray_placement)
     actors = []
     try:
         ready, _ = ray.wait([pg.ready()], timeout=120)
         if not ready:
-            raise ValueError(f"Ray could not place {n} ranks of {bundle} with {t.ray_placement} in 120 s "
-                             f"(cluster resources: {ray.cluster_resources()}); lower trainer.num_workers or add nodes")
+            raise ValueError(f"Ray could not place {n} ranks of {bundle} with {cfg.launcher.ray_placement} in 120 s "
+                             f"(cluster resources: {ray.cluster_resources()}); lower launcher.num_workers or add nodes")
         remote = ray.remote(RankActor)
         actors = [remote.options(num_cpus=CPUS_PER_RANK, num_gpus=1 if gpu else 0, max_restarts=0,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -13,7 +13,7 @@ import torch
 
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
-from hybridrl.config import KLConfig, OptimConfig, PolicyLossConfig
+from hybridrl.config import AlgoConfig, Config, OptimConfig
 from hybridrl.trainer.forward import MoEForward, compute_logprobs_entropy, router_load_balancing_loss
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import shared_prefix_logprobs_entropy
@@ -42,26 +42,33 @@ class Actor:
     """The policy being trained: ``model`` (an HF causal LM), its AdamW and LR schedule,
     and the policy-gradient update with its loss configuration.
 
-    ``policy_loss`` and ``kl`` are the run's ``algo.policy_loss`` / ``algo.kl`` objects
-    (not copies); ``loss_agg_mode`` aggregates every term (policy, KL, entropy);
+    ``algo`` is the run's ``algo`` group (not a copy): its ``policy_loss``, ``kl``,
+    ``router_aux_loss_coef`` and ``loss_agg_mode`` (which aggregates every term: policy,
+    KL, entropy);
     ``loss_scale_factor`` is seq-mean-token-sum-norm's constant (the max response length);
     ``temperature`` is the sampling temperature the log-probs are taken at.
     """
 
-    def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, policy_loss: PolicyLossConfig,
-                 kl: KLConfig, loss_agg_mode: str, temperature: float, loss_scale_factor: float | None = None,
-                 max_tokens_per_microbatch: int = 8192, shared_prefix: bool = True,
-                 router_aux_loss_coef: float = 0.0):
+    def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, algo: AlgoConfig, temperature: float,
+                 loss_scale_factor: float | None = None, max_tokens_per_microbatch: int = 8192,
+                 shared_prefix: bool = True):
         self.model = model
-        self.policy_loss, self.kl = policy_loss, kl
-        self.loss_agg_mode, self.loss_scale_factor = loss_agg_mode, loss_scale_factor
+        self.policy_loss, self.kl = algo.policy_loss, algo.kl
+        self.loss_agg_mode, self.loss_scale_factor = algo.loss_agg_mode, loss_scale_factor
         self.temperature = temperature
         self.shared_prefix = shared_prefix
-        self.router_aux_loss_coef = router_aux_loss_coef  # MoE load balancing (Switch Transformer), 0 = off
+        self.router_aux_loss_coef = algo.router_aux_loss_coef  # MoE load balancing (Switch Transformer), 0 = off
         self.grad_clip = optim.grad_clip
         self.max_tokens = max_tokens_per_microbatch
         self._optim = optim
         self.reset_optimizer()
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, cfg: Config) -> Actor:
+        """The run's actor over ``model`` (``optim``, ``algo``, ``batch``, ``rollout`` groups)."""
+        return cls(model, optim=cfg.optim, algo=cfg.algo, temperature=cfg.rollout.temperature,
+                   loss_scale_factor=float(cfg.rollout.max_tokens),
+                   max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch, shared_prefix=cfg.batch.shared_prefix)
 
     def reset_optimizer(self) -> None:
         """A fresh AdamW and LR schedule over the model's current parameters (after FSDP2

@@ -7,7 +7,7 @@ import torch
 
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches
-from hybridrl.config import OptimConfig, ValueConfig
+from hybridrl.config import Config, OptimConfig, ValueConfig
 from hybridrl.trainer.actor import scalar
 from hybridrl.trainer.value_model import ValueModel
 
@@ -28,6 +28,15 @@ class Critic:
         self.max_tokens = max_tokens_per_microbatch
         self._optim = optim
         self.reset_optimizer()
+
+    @classmethod
+    def from_config(cls, cfg: Config, hf_config, device: torch.device) -> Critic:
+        """A fresh value model shaped like the policy (``hf_config``), in ``model.dtype``,
+        seeded by ``trainer.seed``, with the run's ``optim`` / ``algo`` / ``batch`` settings."""
+        model = ValueModel.from_config(hf_config, dtype=cfg.model.torch_dtype, seed=cfg.trainer.seed).to(device)
+        return cls(model, optim=cfg.optim, value=cfg.algo.value, loss_agg_mode=cfg.algo.loss_agg_mode,
+                   loss_scale_factor=float(cfg.rollout.max_tokens),
+                   max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch)
 
     def state_dict(self) -> dict:
         """The optimizer state (the weights are saved with the model)."""

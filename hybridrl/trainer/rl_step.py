@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridrl import algos
-from hybridrl.config import AlgoConfig
+from hybridrl.config import AlgoConfig, Config
 from hybridrl.distributed.context import DistContext
 from hybridrl.trainer.actor import Actor
 from hybridrl.trainer.critic import Critic
@@ -32,13 +32,21 @@ PHASES = ("rollout", "reward", "log_probs", "advantages", "update", "refit")
 
 @dataclass(frozen=True)
 class BatchShape:
-    """How big a step is (plain values from ``trainer.*`` / ``rollout.*``)."""
+    """How big a step is and how its rows are padded (plain values from ``batch.*`` /
+    ``rollout.*`` and the tokenizer)."""
 
     prompts_per_step: int
     samples_per_prompt: int  # rollout.n
     mini_batch_size: int  # responses per optimizer step
     epochs: int  # passes over the batch
     max_response_tokens: int  # rollout.max_tokens (DAPO overlong shaping)
+    pad_id: int = 0  # the token id that pads rows (merging refill rounds)
+
+    @classmethod
+    def from_config(cls, cfg: Config, pad_id: int) -> BatchShape:
+        b, r = cfg.batch, cfg.rollout
+        return cls(prompts_per_step=b.prompts_per_step, samples_per_prompt=r.n, mini_batch_size=b.mini_batch_size,
+                   epochs=b.ppo_epochs, max_response_tokens=r.max_tokens, pad_id=pad_id)
 
     @property
     def responses(self) -> int:
@@ -49,10 +57,10 @@ class RLStep:
     """The components of a run and the order of one step over them."""
 
     def __init__(self, *, rollout: RolloutWorker, scorer: RewardScorer, actor: Actor, critic: Critic | None,
-                 train_set: PromptSet, algo: AlgoConfig, shape: BatchShape, pad_id: int,
-                 generator: torch.Generator, dp: DistContext | None = None):
+                 train_set: PromptSet, algo: AlgoConfig, shape: BatchShape, generator: torch.Generator,
+                 dp: DistContext | None = None):
         self.rollout, self.scorer, self.actor, self.critic = rollout, scorer, actor, critic
-        self.train_set, self.algo, self.shape, self.pad_id = train_set, algo, shape, pad_id
+        self.train_set, self.algo, self.shape = train_set, algo, shape
         self.generator = generator  # mini-batch shuffling
         self.reference: Reference | None = None
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
@@ -198,7 +206,7 @@ class RLStep:
                 extra = self.sample(rng)
             with timer.phase("reward"):
                 self.score(extra)
-            sb = merge(sb, extra, pad_id=self.pad_id)
+            sb = merge(sb, extra, pad_id=self.shape.pad_id)
             rounds += 1
         return sb, rounds
 

@@ -16,6 +16,7 @@ import torch
 
 from hybridrl.refit import RefitStats, refit_from_model
 from hybridrl.rollout import Rollouts, SamplingParams
+from hybridrl.config import RefitConfig, RolloutConfig
 from hybridrl.rollout.backend import RolloutBackend
 
 
@@ -33,6 +34,13 @@ class RolloutWorker:
         self.device = device
         self.bucket_bytes, self.verify_refit = bucket_bytes, verify_refit
         self.expected_version: int | None = None  # the version the last refit produced
+
+    @classmethod
+    def from_config(cls, engine: RolloutBackend, rollout: RolloutConfig, refit: RefitConfig, *,
+                    eos_token_id: int | None, device: torch.device) -> RolloutWorker:
+        """The run's worker: ``rollout.*`` sampling (stopping at ``eos_token_id``) and ``refit.*``."""
+        return cls(engine, sampling_params(rollout, eos_token_id), device=device, bucket_bytes=refit.bucket_mb << 20,
+                   verify_refit=refit.verify)
 
     @property
     def version(self) -> int:
@@ -100,3 +108,11 @@ def _is_fsdp_sharded(model: torch.nn.Module) -> bool:
     except ImportError:  # a torch without FSDP2 cannot have sharded it
         return False
     return isinstance(model, FSDPModule)
+
+
+def sampling_params(rollout: RolloutConfig, eos_token_id: int | None) -> SamplingParams:
+    """The one translation of ``rollout.*`` into engine sampling settings (training and
+    ``hybridrl eval`` alike); the per-prompt seed is set at sampling time."""
+    return SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
+                          max_tokens=rollout.max_tokens, n=rollout.n,
+                          stop_token_ids=(eos_token_id,) if eos_token_id is not None else ())

@@ -9,8 +9,8 @@ from _bench_module import load_bench
 
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
         "model.num_key_value_heads=1", "model.intermediate_size=64", "data.train_size=64", "data.eval_size=8",
-        "trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=4", "trainer.sft_steps=2",
-        "trainer.sft_batch_size=4"]
+        "batch.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=4", "warm_start.steps=2",
+        "warm_start.batch_size=4"]
 
 
 def test_our_side_curve_at_clock_checkpoints(tmp_path):

@@ -33,8 +33,8 @@ def test_override_types_parse_as_yaml():
     (["algo.kl.coef=abc"], "algo.kl.coef='abc': expected a number"),
     (["trainer.total_steps=1.5"], "trainer.total_steps=1.5: expected an integer"),
     (["logging.plot=3"], "expected true or false"),
-    (["trainer.mini_batch_size=7"], "does not divide the batch"),
-    (["rollout.n=1", "trainer.mini_batch_size=32"], "set rollout.n >= 2"),
+    (["batch.mini_batch_size=7"], "does not divide the batch"),
+    (["rollout.n=1", "batch.mini_batch_size=32"], "set rollout.n >= 2"),
     (["rollout.quantization=int4"], "use null, fp8 or fp8_block"),  # also names mxfp4
     (["rollout.top_p=0"], "rollout.top_p"),
     (["data.operations=/"], "data.operations"),
@@ -56,7 +56,7 @@ def test_override_types_parse_as_yaml():
     (["data.train_size=0"], "data.train_size"),
     (["reward.timeout_s=nan"], "reward.timeout_s"),
     (["rollout.max_tokens=100000000"], "rollout.max_tokens"),
-    (["data.train_size=10", "trainer.prompts_per_step=32"], "exceeds data.train_size"),
+    (["data.train_size=10", "batch.prompts_per_step=32"], "exceeds data.train_size"),
 ])
 def test_errors_are_one_line_and_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:

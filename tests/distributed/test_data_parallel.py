@@ -13,9 +13,9 @@ import torch
 
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
         "model.num_key_value_heads=1", "model.intermediate_size=64", "rollout.n=4", "rollout.max_tokens=4",
-        "trainer.prompts_per_step=4", "trainer.sft_batch_size=8", "data.train_size=200", "data.eval_size=8",
-        "trainer.sft_steps=20", "trainer.total_steps=3", "trainer.eval_every=3", "trainer.threads=1",
-        "trainer.refit_verify=true", "trainer.save_every=0", "logging.tensorboard=false", "logging.plot=false",
+        "batch.prompts_per_step=4", "warm_start.batch_size=8", "data.train_size=200", "data.eval_size=8",
+        "warm_start.steps=20", "trainer.total_steps=3", "trainer.eval_every=3", "trainer.threads=1",
+        "refit.verify=true", "checkpoint.every=0", "logging.tensorboard=false", "logging.plot=false",
         "logging.progress=false"]
 CASES = {
     "grpo_token_mean": [],
@@ -46,7 +46,7 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 def test_two_ranks_equal_one_process(tmp_path, case):
     one = train_subprocess(tmp_path, "one", CASES[case])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = train_subprocess(tmp_path, "two", CASES[case] + ["trainer.nproc_per_node=2"])
+    two = train_subprocess(tmp_path, "two", CASES[case] + ["launcher.nproc_per_node=2"])
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["step"] for r in a] == [r["step"] for r in b]
@@ -71,7 +71,7 @@ def test_two_rank_run_killed_then_resumed_is_bit_identical(tmp_path):
     import signal
     import time
 
-    extra = ["trainer.nproc_per_node=2", "trainer.total_steps=6", "trainer.save_every=2", "algo.kl.coef=0.02"]
+    extra = ["launcher.nproc_per_node=2", "trainer.total_steps=6", "checkpoint.every=2", "algo.kl.coef=0.02"]
     straight = train_subprocess(tmp_path, "straight", extra)
     assert straight.returncode == 0, straight.stderr[-3000:]
     cmd = [sys.executable, "-m", "hybridrl", "train", *TINY, *extra, f"trainer.output_dir={tmp_path}",

@@ -38,7 +38,7 @@ def test_a_failing_rank_ends_the_job_in_one_line_without_orphans(tmp_path):
     key, value = marker.split("=")
     env = {**os.environ, key: value}
     cmd = [sys.executable, "-m", "hybridrl", "train", *TINY, f"trainer.output_dir={tmp_path}",
-           "trainer.nproc_per_node=2", f"reward.functions={reward}:fn", "trainer.dist_timeout_s=60"]
+           "launcher.nproc_per_node=2", f"reward.functions={reward}:fn", "launcher.timeout_s=60"]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2
@@ -62,7 +62,7 @@ ray = pytest.importorskip("ray")
 
 
 def test_ray_local_cluster_two_workers(tmp_path):
-    proc = train_subprocess(tmp_path, "ray", ["trainer.launcher=ray", "trainer.num_workers=2"])
+    proc = train_subprocess(tmp_path, "ray", ["launcher.name=ray", "launcher.num_workers=2"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -82,8 +82,8 @@ def test_ray_two_simulated_hosts_strict_spread(tmp_path):
         ray.init(address=cluster.address)
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
         cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=hosts",
-                                        "trainer.launcher=ray", "trainer.num_workers=2",
-                                        "trainer.ray_placement=STRICT_SPREAD"])
+                                        "launcher.name=ray", "launcher.num_workers=2",
+                                        "launcher.ray_placement=STRICT_SPREAD"])
         launch_ray(cfg)
         rows = [json.loads(line) for line in (tmp_path / "hosts" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -30,8 +30,8 @@ def test_plan_matches_two_real_ranks(tmp_path):
 
 
 def test_plan_cli_for_qwen_shapes():
-    proc = subprocess.run([sys.executable, "-m", "hybridrl", "plan", "--shape", "qwen2.5-7b", "trainer.nnodes=8",
-                           "trainer.nproc_per_node=8", "model.dtype=bfloat16", "--device-gib", "80"],
+    proc = subprocess.run([sys.executable, "-m", "hybridrl", "plan", "--shape", "qwen2.5-7b", "launcher.nnodes=8",
+                           "launcher.nproc_per_node=8", "model.dtype=bfloat16", "--device-gib", "80"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "64 data-parallel ranks" in proc.stdout and "fits 80.0 GiB?" in proc.stdout

@@ -134,7 +134,7 @@ def one_in_four(response, answer, prompt):
 def _train(tmp_path: Path, fn: str, *extra: str) -> subprocess.CompletedProcess:
     (tmp_path / "rw.py").write_text(REWARDS)
     args = [sys.executable, "-m", "hybridrl", "train", f"reward.functions=rw.py:{fn}", "reward.timeout_s=1",
-            "trainer.total_steps=2", "trainer.sft_steps=2", "trainer.prompts_per_step=4", "rollout.n=2",
+            "trainer.total_steps=2", "warm_start.steps=2", "batch.prompts_per_step=4", "rollout.n=2",
             "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
             f"trainer.output_dir={tmp_path / 'runs'}", *extra]
     return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600,

@@ -41,7 +41,7 @@ ATOL = 1e-6  # metrics that are ~0 (a KL at step 1, a ratio deviation) differ in
 
 
 def portable_overrides(case_overrides: list[str], common: list[str]) -> list[str]:
-    return common + case_overrides + [f"model.path={START_DIR}", "trainer.sft_steps=0",
+    return common + case_overrides + [f"model.path={START_DIR}", "warm_start.steps=0",
                                       f"trainer.total_steps={STEPS}", f"trainer.eval_every={STEPS}"]
 
 
@@ -96,7 +96,7 @@ def make_start() -> None:
     from test_golden import COMMON
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, COMMON + [f"trainer.sft_steps={START_SFT_STEPS}", f"trainer.output_dir={tmp}"])
+        cfg = load_config(None, COMMON + [f"warm_start.steps={START_SFT_STEPS}", f"trainer.output_dir={tmp}"])
         run = build_run(cfg)
         try:
             warm_start(run, cfg)

@@ -41,10 +41,10 @@ def _reference_loss(model, batch, mode: str) -> torch.Tensor:
 def test_actor_gradient_equals_float64_reference(tmp_path, shared_prefix, mode):
     seed = random.randrange(1 << 20)
     cfg = load_config(None, TINY_MODEL + [
-        f"trainer.seed={seed}", "trainer.sft_steps=30", "trainer.total_steps=1", "trainer.threads=1",
-        "data.train_size=200", "data.eval_size=8", "trainer.prompts_per_step=8", "optim.grad_clip=1e9",
-        f"trainer.shared_prefix={str(shared_prefix).lower()}", f"algo.loss_agg_mode={mode}",
-        "logging.tensorboard=false", f"trainer.output_dir={tmp_path}", "trainer.save_checkpoint=false"])
+        f"trainer.seed={seed}", "warm_start.steps=30", "trainer.total_steps=1", "trainer.threads=1",
+        "data.train_size=200", "data.eval_size=8", "batch.prompts_per_step=8", "optim.grad_clip=1e9",
+        f"batch.shared_prefix={str(shared_prefix).lower()}", f"algo.loss_agg_mode={mode}",
+        "logging.tensorboard=false", f"trainer.output_dir={tmp_path}", "checkpoint.save=false"])
     run = build_run(cfg, console=lambda s: None)
     try:
         warm_start(run, cfg)

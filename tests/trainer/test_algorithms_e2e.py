@@ -12,8 +12,8 @@ from hybridrl.job.loop import train
 from _tiny import TINY_MODEL
 
 TINY = TINY_MODEL + [
-    "data.train_size=200", "data.eval_size=8", "trainer.sft_steps=3", "trainer.total_steps=2",
-    "trainer.eval_every=2", "logging.tensorboard=false", "logging.plot=false", "trainer.save_checkpoint=false",
+    "data.train_size=200", "data.eval_size=8", "warm_start.steps=3", "trainer.total_steps=2",
+    "trainer.eval_every=2", "logging.tensorboard=false", "logging.plot=false", "checkpoint.save=false",
 ]
 
 
@@ -42,7 +42,7 @@ def test_each_policy_loss_runs(tmp_path, loss):
 
 
 def test_off_policy_corrections_and_dapo_extras_run(tmp_path):
-    steps = _run(tmp_path, ["trainer.mini_batch_size=8", "trainer.ppo_epochs=2", "algo.correction.tis_cap=2.0",
+    steps = _run(tmp_path, ["batch.mini_batch_size=8", "batch.ppo_epochs=2", "algo.correction.tis_cap=2.0",
                             "algo.correction.mismatch_seq_upper=3.0", "algo.dapo.dynamic_sampling=true", "algo.dapo.overlong_filter=true",
                             "algo.dapo.overlong_buffer_len=2", "algo.policy_loss.clip_ratio_high=0.28", "algo.kl.coef=0.01",
                             "algo.kl.use_loss=false", "algo.kl.adaptive_target=0.1", "algo.policy_loss.entropy_coeff=0.01"],
@@ -53,7 +53,7 @@ def test_off_policy_corrections_and_dapo_extras_run(tmp_path):
 
 def test_dynamic_sampling_refill(tmp_path):
     steps = _run(tmp_path, ["algo.dapo.dynamic_sampling=true", "algo.dapo.refill_rounds=2",
-                            "trainer.sft_steps=30"], must_update=False)
+                            "warm_start.steps=30"], must_update=False)
     for r in steps:
         assert 0 <= r["batch/refill_rounds"] <= 2
         assert 0.0 <= r["batch/kept_fraction"] <= 1.0
@@ -73,7 +73,7 @@ def test_merge_keeps_rows_and_scores_aligned(tmp_path):
     a, b = step.sample(rng), step.sample(rng)
     step.score(a)
     step.score(b)
-    m = merge(a, b, pad_id=step.pad_id)
+    m = merge(a, b, pad_id=step.shape.pad_id)
     n_a = len(a.index)
     assert m.index == a.index + [i + len(a.batch_idx) for i in b.index]
     assert torch.equal(m.raw_scores, torch.cat([a.raw_scores, b.raw_scores]))
@@ -82,4 +82,4 @@ def test_merge_keeps_rows_and_scores_aligned(tmp_path):
         for j, i in enumerate(rows):
             assert torch.equal(m.rollouts.input_ids[i, :width], src.rollouts.input_ids[j])
             assert torch.equal(m.rollouts.logprobs[i, :width], src.rollouts.logprobs[j])
-            assert m.rollouts.input_ids[i, width:].eq(step.pad_id).all()
+            assert m.rollouts.input_ids[i, width:].eq(step.shape.pad_id).all()

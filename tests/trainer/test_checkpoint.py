@@ -4,12 +4,12 @@ import torch
 from hybridrl.data.char_tokenizer import build_char_tokenizer
 from hybridrl.checkpoint.atomic import save_checkpoint_atomic
 from hybridrl.job.model_factory import builtin_model
+from hybridrl.config import ModelConfig
 
 
 def _model(seed):
     tok = build_char_tokenizer()
-    return builtin_model(tok, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         intermediate_size=64, seed=seed), tok
+    return builtin_model(tok, ModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True), seed=seed), tok
 
 
 def test_checkpoint_reloads_with_transformers(tmp_path):

@@ -10,8 +10,8 @@ import pytest
 from hybridrl.config.io import load_config
 from _tiny import TINY_MODEL
 
-BASE = TINY_MODEL + ["trainer.sft_steps=0", "trainer.total_steps=1", "logging.tensorboard=false",
-                     "logging.plot=false", "trainer.save_checkpoint=false", "data.train_size=200",
+BASE = TINY_MODEL + ["warm_start.steps=0", "trainer.total_steps=1", "logging.tensorboard=false",
+                     "logging.plot=false", "checkpoint.save=false", "data.train_size=200",
                      "data.eval_size=8"]
 
 

@@ -13,8 +13,8 @@ from _tiny import TINY_MODEL
 # mini_batch_size=8 of a 16-row batch: two optimizer steps per RL step, so the off-policy
 # path (separate old-log-prob pass) runs here; test_algorithms_e2e covers on-policy.
 TINY = TINY_MODEL + [
-    "data.train_size=300", "data.eval_size=16", "trainer.mini_batch_size=8", "trainer.sft_steps=5",
-    "trainer.total_steps=3", "trainer.eval_every=2", "trainer.refit_verify=true",
+    "data.train_size=300", "data.eval_size=16", "batch.mini_batch_size=8", "warm_start.steps=5",
+    "trainer.total_steps=3", "trainer.eval_every=2", "refit.verify=true",
 ]
 
 

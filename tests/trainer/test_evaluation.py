@@ -26,10 +26,10 @@ def _checkpoint(tmp_path):
     from hybridrl.data.char_tokenizer import build_char_tokenizer
     from hybridrl.checkpoint.atomic import save_checkpoint_atomic
     from hybridrl.job.model_factory import builtin_model
+    from hybridrl.config import ModelConfig
 
     tok = build_char_tokenizer()
-    model = builtin_model(tok, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                          intermediate_size=64, seed=3)
+    model = builtin_model(tok, ModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True), seed=3)
     return save_checkpoint_atomic(model, tok, tmp_path / "ckpt")
 
 
@@ -89,9 +89,9 @@ def test_chat_prompt_gets_the_system_message():
 def test_training_logs_and_plots_pass_at_k(tmp_path):
     from hybridrl.job.loop import train
 
-    cfg = load_config(None, TINY_MODEL + ["data.train_size=200", "data.eval_size=8", "trainer.sft_steps=5",
+    cfg = load_config(None, TINY_MODEL + ["data.train_size=200", "data.eval_size=8", "warm_start.steps=5",
                                           "trainer.total_steps=2", "trainer.eval_every=2", "eval.k=3",
-                                          "logging.tensorboard=false", "trainer.save_checkpoint=false",
+                                          "logging.tensorboard=false", "checkpoint.save=false",
                                           f"trainer.output_dir={tmp_path}"])
     result = train(cfg)
     evals = [r for r in result.history if "eval/accuracy" in r]

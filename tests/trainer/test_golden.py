@@ -51,19 +51,19 @@ import golden_portable
 from fp_fingerprint import fingerprint
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-COMMON = ["trainer.sft_steps=40", "trainer.total_steps=20", "trainer.eval_every=10", "trainer.threads=1",
-          "trainer.save_checkpoint=false", "logging.tensorboard=false", "logging.plot=false",
+COMMON = ["warm_start.steps=40", "trainer.total_steps=20", "trainer.eval_every=10", "trainer.threads=1",
+          "checkpoint.save=false", "logging.tensorboard=false", "logging.plot=false",
           "logging.progress=false", "data.train_size=2000", "data.eval_size=64",
           # the defaults of the recording; the default job's task settings changed since
           # (a slower, longer warm start from an imperfect teacher, pass@8 in the eval: see
           # README), the recipe under test did not
-          "optim.sft_lr=3e-3", "data.teacher_carry_slip=0", "eval.k=0"]
+          "warm_start.lr=3e-3", "data.teacher_carry_slip=0", "eval.k=0"]
 CASES = {
     # the default job (GRPO, on-policy, no reference), shortened
     "default": [],
     # PPO with a critic, KL as a reward penalty, 2 epochs over 4 mini-batches (old log-probs pass)
     "ppo_gae_kl_penalty": ["algo.advantage.estimator=gae", "algo.kl.coef=0.05", "algo.kl.use_loss=false",
-                           "trainer.mini_batch_size=64", "trainer.ppo_epochs=2", "trainer.prompts_per_step=32"],
+                           "batch.mini_batch_size=64", "batch.ppo_epochs=2", "batch.prompts_per_step=32"],
     # ReMax (greedy baselines), KL loss, truncated IS, FP8 rollout weights, seq-mean aggregation
     "remax_kl_loss_tis_fp8": ["algo.advantage.estimator=remax", "algo.kl.coef=0.01", "algo.correction.tis_cap=2.0",
                               "rollout.quantization=fp8", "algo.loss_agg_mode=seq-mean-token-mean"],

@@ -33,11 +33,11 @@ def test_grpo_on_a_moe_policy(tmp_path, quantization):
     rows = "".join('{"prompt": "%d+%d=", "answer": "%d"}\n' % (a, b, a + b) for a in range(10, 30) for b in range(3))
     (tmp_path / "train.jsonl").write_text(rows)
     cfg = load_config(None, [f"model.path={ckpt}", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
-                             "data.eval_size=4", "rollout.n=4", "rollout.max_tokens=4", "trainer.prompts_per_step=4",
-                             "trainer.total_steps=2", "trainer.eval_every=2", "trainer.refit_verify=true",
+                             "data.eval_size=4", "rollout.n=4", "rollout.max_tokens=4", "batch.prompts_per_step=4",
+                             "trainer.total_steps=2", "trainer.eval_every=2", "refit.verify=true",
                              f"rollout.quantization={'null' if quantization is None else quantization}",
                              "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
-                             "trainer.save_checkpoint=false", f"trainer.output_dir={tmp_path}"])
+                             "checkpoint.save=false", f"trainer.output_dir={tmp_path}"])
     result = train(cfg)
     steps = [r for r in result.history if "reward/mean" in r]
     assert len(steps) == 2 and all(r["refit/weight_version"] == r["rollout/weight_version"] + 1 for r in steps)
@@ -57,11 +57,11 @@ def test_routing_replay_and_router_loss_in_training(tmp_path):
     for replay in (False, True):
         cfg = load_config(None, [f"model.path={ckpt}", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
                                  "data.eval_size=4", "rollout.n=4", "rollout.max_tokens=4",
-                                 "trainer.prompts_per_step=8", "trainer.total_steps=1", "trainer.eval_every=1",
+                                 "batch.prompts_per_step=8", "trainer.total_steps=1", "trainer.eval_every=1",
                                  "rollout.quantization=mxfp4", f"rollout.routing_replay={str(replay).lower()}",
-                                 "algo.router_aux_loss_coef=0.01", "algo.kl.coef=0.01", "trainer.ppo_epochs=2",
+                                 "algo.router_aux_loss_coef=0.01", "algo.kl.coef=0.01", "batch.ppo_epochs=2",
                                  "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
-                                 "trainer.save_checkpoint=false", f"trainer.output_dir={tmp_path}",
+                                 "checkpoint.save=false", f"trainer.output_dir={tmp_path}",
                                  f"trainer.run_name=replay{replay}"])
         step = [r for r in train(cfg).history if "reward/mean" in r][0]
         gaps[replay] = step["rollout/trainer_logprob_abs_diff"]

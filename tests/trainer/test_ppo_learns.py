@@ -11,10 +11,10 @@ def test_ppo_with_critic_raises_accuracy(tmp_path):
     cfg = load_config(None, [
         "algo.advantage.estimator=gae", "algo.advantage.lam=0.95", "trainer.total_steps=100", "trainer.eval_every=50",
         "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
-        "trainer.save_checkpoint=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=ppo",
+        "checkpoint.save=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=ppo",
         # the earlier default task (a short warm start from a correct teacher): PPO has to
         # teach the arithmetic itself there, not only correct the teacher's carry slip
-        "trainer.sft_steps=250", "optim.sft_lr=3e-3", "data.teacher_carry_slip=0", "eval.k=0",
+        "warm_start.steps=250", "warm_start.lr=3e-3", "data.teacher_carry_slip=0", "eval.k=0",
     ])
     result = train(cfg)
     critic_rows = [r for r in result.history if "critic/vf_loss" in r]

@@ -9,12 +9,12 @@ from hybridrl.data.char_tokenizer import build_char_tokenizer
 from hybridrl.checkpoint.atomic import save_checkpoint_atomic
 from hybridrl.job.loop import train
 from hybridrl.job.model_factory import builtin_model
+from hybridrl.config import ModelConfig
 
 
 def test_local_checkpoint_and_jsonl(tmp_path):
     tok = build_char_tokenizer()
-    model = builtin_model(tok, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                          intermediate_size=64, seed=7)
+    model = builtin_model(tok, ModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True), seed=7)
     ckpt = save_checkpoint_atomic(model, tok, tmp_path / "init")
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 30) for b in range(3)]
     lines = [json.dumps(r) for r in rows] + ["{broken", json.dumps({"question": "no prompt column"})]
@@ -47,8 +47,8 @@ def test_weighted_rewards_and_user_reward_extras_are_logged(tmp_path):
     user.write_text("def digits(response, answer, prompt):\n"
                     "    return {'score': float(response.strip().isdigit()), 'chars': float(len(response))}\n")
     cfg = load_config(None, TINY_MODEL + [
-        "data.train_size=200", "data.eval_size=8", "trainer.sft_steps=20", "trainer.total_steps=2",
-        "trainer.eval_every=2", "logging.tensorboard=false", "logging.plot=false", "trainer.save_checkpoint=false",
+        "data.train_size=200", "data.eval_size=8", "warm_start.steps=20", "trainer.total_steps=2",
+        "trainer.eval_every=2", "logging.tensorboard=false", "logging.plot=false", "checkpoint.save=false",
         f"trainer.output_dir={tmp_path}", "trainer.run_name=rw",
         f"reward.functions=[{{name: exact_match, weight: 1.0}}, {{name: '{user}:digits', weight: 0.1}}]",
     ])

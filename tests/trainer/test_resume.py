@@ -17,13 +17,13 @@ from _tiny import TINY_MODEL
 
 from hybridrl.config.io import load_config
 
-BASE = TINY_MODEL + ["data.train_size=300", "data.eval_size=16", "trainer.sft_steps=15", "trainer.total_steps=12",
-                     "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_last=3", "trainer.threads=1",
+BASE = TINY_MODEL + ["data.train_size=300", "data.eval_size=16", "warm_start.steps=15", "trainer.total_steps=12",
+                     "trainer.eval_every=4", "checkpoint.every=2", "checkpoint.keep_last=3", "trainer.threads=1",
                      "logging.plot=false"]
 # GRPO with a KL reference (its weights and the KL controller are part of the state), and
 # PPO with a critic, two epochs over mini-batches (optimizer moments, shuffling generator)
 CASES = {"grpo_kl": ["algo.kl.coef=0.02"],
-         "ppo_gae": ["algo.advantage.estimator=gae", "trainer.mini_batch_size=8", "trainer.ppo_epochs=2",
+         "ppo_gae": ["algo.advantage.estimator=gae", "batch.mini_batch_size=8", "batch.ppo_epochs=2",
                      "algo.kl.coef=0.01", "algo.kl.use_loss=false", "algo.kl.adaptive_target=0.01"]}
 
 
@@ -87,7 +87,7 @@ def test_sigint_saves_and_exits_with_one_line(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGINT
     last = [line for line in err.splitlines() if line.startswith("hybridrl:")]
-    assert len(last) == 1 and "interrupted at step" in last[0] and "trainer.resume=auto" in last[0]
+    assert len(last) == 1 and "interrupted at step" in last[0] and "checkpoint.resume=auto" in last[0]
     assert "Traceback" not in err
     step = int(last[0].split("interrupted at step ")[1].split(":")[0])
     assert (tmp_path / "int" / "checkpoint" / "trainer_state.pt").is_file()
@@ -106,8 +106,8 @@ def _train(tmp_path, extra):
 def test_existing_run_is_never_wiped(tmp_path):
     _train(tmp_path, ["trainer.total_steps=2", "trainer.run_name=r"])
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match="already holds a run.*trainer.resume=auto"):
-        _train(tmp_path, ["trainer.total_steps=2", "trainer.run_name=r", "trainer.resume=off"])
+    with pytest.raises(ValueError, match="already holds a run.*checkpoint.resume=auto"):
+        _train(tmp_path, ["trainer.total_steps=2", "trainer.run_name=r", "checkpoint.resume=off"])
     with pytest.raises(ValueError, match="already complete at step 2"):
         _train(tmp_path, ["trainer.total_steps=2", "trainer.run_name=r"])
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before

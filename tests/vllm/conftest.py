@@ -19,10 +19,10 @@ def tiny_checkpoint(tmp_path_factory):
     from hybridrl.data.char_tokenizer import build_char_tokenizer
     from hybridrl.checkpoint.atomic import save_checkpoint_atomic
     from hybridrl.job.model_factory import builtin_model
+    from hybridrl.config import ModelConfig
 
     tok = build_char_tokenizer()
-    model = builtin_model(tok, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                          intermediate_size=128, max_position_embeddings=64, seed=3).eval()
+    model = builtin_model(tok, ModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, tie_word_embeddings=True), max_position_embeddings=64, seed=3).eval()
     ckpt = save_checkpoint_atomic(model, tok, tmp_path_factory.mktemp("vllm") / "init")
     return str(ckpt), tok, model
 

@@ -113,10 +113,10 @@ def test_two_grpo_steps_with_fp8_and_free_cache_engine_on_cuda(tmp_path):
         "rollout.backend=vllm", "rollout.quantization=fp8", "rollout.free_cache_engine=true",
         "rollout.enforce_eager=true", "model.dtype=bfloat16", "trainer.device=cuda", "model.hidden_size=128",
         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.intermediate_size=256", "rollout.n=4",
-        "rollout.max_tokens=4", "trainer.prompts_per_step=4", "trainer.sft_steps=10", "trainer.sft_batch_size=8",
-        "trainer.total_steps=2", "trainer.eval_every=2", "trainer.refit_verify=true", "data.train_size=200",
+        "rollout.max_tokens=4", "batch.prompts_per_step=4", "warm_start.steps=10", "warm_start.batch_size=8",
+        "trainer.total_steps=2", "trainer.eval_every=2", "refit.verify=true", "data.train_size=200",
         "data.eval_size=8", "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
-        "trainer.save_checkpoint=false", f"trainer.output_dir={tmp_path}"])
+        "checkpoint.save=false", f"trainer.output_dir={tmp_path}"])
     steps = [r for r in train(cfg).history if "reward/mean" in r]
     assert len(steps) == 2
     for r in steps:

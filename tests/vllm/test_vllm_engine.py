@@ -360,9 +360,9 @@ def test_torch_state_is_restored_around_vllm(engine, tiny_checkpoint):
 def test_unsupported_head_dim_is_rejected_at_construction():
     """vLLM's CPU attention has a fixed head-size list; fail when building, not mid-run."""
     from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
+    from hybridrl.config import ModelConfig
     from hybridrl.vllm_backend import VllmEngine
 
-    cfg = builtin_model(builtin_tokenizer(), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        num_key_value_heads=1, intermediate_size=32).config
+    cfg = builtin_model(builtin_tokenizer(), ModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, tie_word_embeddings=True)).config
     with pytest.raises(ValueError, match="head_dim=16"):
         VllmEngine(cfg, max_batch_size=2, max_seq_len=8)

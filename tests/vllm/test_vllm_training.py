@@ -15,10 +15,10 @@ pytestmark = SKIP_NO_VLLM
 def _overrides(tmp_path, steps: int) -> list[str]:
     return ["rollout.backend=vllm", "model.hidden_size=64", "model.num_attention_heads=2",
             "model.num_key_value_heads=1", "model.intermediate_size=128", "rollout.n=4", "rollout.max_tokens=4",
-            "trainer.prompts_per_step=4", "trainer.sft_steps=10", "trainer.sft_batch_size=8",
-            f"trainer.total_steps={steps}", f"trainer.eval_every={steps}", "trainer.refit_verify=true",
+            "batch.prompts_per_step=4", "warm_start.steps=10", "warm_start.batch_size=8",
+            f"trainer.total_steps={steps}", f"trainer.eval_every={steps}", "refit.verify=true",
             "trainer.threads=2", "data.train_size=200", "data.eval_size=8", "logging.tensorboard=false",
-            "logging.plot=false", "logging.progress=false", "trainer.save_checkpoint=false",
+            "logging.plot=false", "logging.progress=false", "checkpoint.save=false",
             f"trainer.output_dir={tmp_path}"]
 
 
@@ -70,4 +70,4 @@ def test_vllm_backend_rejects_what_it_cannot_do():
     with pytest.raises(ConfigError, match="rollout.backend=vllm"):
         load_config(None, ["rollout.free_cache_engine=true"])
     with pytest.raises(ConfigError, match="one rank"):
-        load_config(None, ["rollout.backend=vllm", "trainer.nproc_per_node=2"])
+        load_config(None, ["rollout.backend=vllm", "launcher.nproc_per_node=2"])

@@ -1,0 +1,120 @@
+"""The job's groups: the step's batch, the supervised warm start, the run itself,
+checkpoints and resume, the launcher (elastic or Ray), and refit.
+
+These were one 28-field ``trainer`` group; the old keys fail with the new name
+(``config/io.py: RENAMED``): ``trainer.sft_steps`` -> ``warm_start.steps``, ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.config.base import ConfigError, _f, check_number
+
+
+@dataclass(kw_only=True)
+class BatchConfig:
+    prompts_per_step: int = _f(32, "prompts per step; the batch is prompts_per_step * rollout.n responses")
+    mini_batch_size: int | None = _f(None, "responses per optimizer step (must divide the batch); null = the whole "
+                                           "batch: on-policy, no old-log-prob pass")
+    ppo_epochs: int = _f(1, "passes over each rollout batch")
+    max_tokens_per_microbatch: int = _f(8192, "token budget of one forward/backward micro-batch")
+    shared_prefix: bool = _f(True, "run each group's prompt once in the trainer forward (when a mini-batch is one "
+                                   "micro-batch)")
+
+    def __post_init__(self) -> None:
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ConfigError(f"batch.mini_batch_size={self.mini_batch_size}: must be >= 1 (or null = whole batch)")
+        for key in ("prompts_per_step", "ppo_epochs", "max_tokens_per_microbatch"):
+            check_number(getattr(self, key), f"batch.{key}", low=1)
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    steps: int = _f(3000, "supervised warm-start steps before RL (0 = none)")
+    batch_size: int = _f(64, "warm-start batch size")
+    lr: float = _f(1e-3, "warm-start (supervised) learning rate")
+
+    def __post_init__(self) -> None:
+        check_number(self.steps, "warm_start.steps", low=0)
+        check_number(self.batch_size, "warm_start.batch_size", low=1)
+        check_number(self.lr, "warm_start.lr", low=0, low_open=True)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_steps: int = _f(300, "RL steps (one rollout batch each)")
+    eval_every: int = _f(25, "evaluate held-out accuracy every k RL steps")
+    seed: int = _f(0, "seed for model init, sampling and shuffling")
+    device: str = _f("cpu", "cpu | cuda | cuda:N")
+    threads: int = _f(0, "torch CPU threads; 0 = all cores")
+    output_dir: str = _f("runs", "parent of the run directory")
+    run_name: str = _f("default", "run directory name under output_dir")
+    max_nonfinite_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss/gradient")
+
+    def __post_init__(self) -> None:
+        check_number(self.eval_every, "trainer.eval_every", low=1)
+        for key in ("total_steps", "threads"):
+            check_number(getattr(self, key), f"trainer.{key}", low=0)
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
+        check_number(self.max_nonfinite_steps, "trainer.max_nonfinite_steps", low=1)
+        name = self.run_name
+        if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("~"):
+            raise ConfigError(f"trainer.run_name={name!r}: must be a plain directory name inside "
+                              "trainer.output_dir (no '/', '..' or absolute paths)")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save: bool = _f(True, "write an HF-format checkpoint at the end")
+    every: int = _f(100, "also checkpoint every k RL steps, bounding lost work (0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints kept in run_dir/checkpoints (older ones are pruned)")
+    resume: str = _f("auto", "auto: continue the run in run_dir from its latest checkpoint (a new run when the "
+                             "directory is new) | off: refuse an existing run directory | PATH: a checkpoint dir")
+
+    def __post_init__(self) -> None:
+        check_number(self.every, "checkpoint.every", low=0)
+        check_number(self.keep_last, "checkpoint.keep_last", low=1)
+        if not self.resume:
+            raise ConfigError("checkpoint.resume='': use auto, off, or a checkpoint directory")
+
+
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+
+
+@dataclass(kw_only=True)
+class LauncherConfig:
+    name: str = _f("local", "local (torch's elastic launcher / torchrun) | ray (Ray actors in a placement group)")
+    nnodes: int = _f(1, "hosts of a multi-host job (torchrun --nnodes; used by `hybridrl plan`)")
+    nproc_per_node: int = _f(1, "data-parallel ranks to start on this host (FSDP2; gloo on CPU, NCCL on CUDA); "
+                                "also set by torchrun")
+    num_workers: int = _f(1, "name=ray: data-parallel ranks (one Ray actor each)")
+    ray_address: str | None = _f(None, "name=ray: cluster address (auto = a running `ray start` cluster); "
+                                       "null starts a local Ray instance")
+    ray_placement: str = _f("PACK", "name=ray: placement strategy of the ranks' bundles (PACK | SPREAD | "
+                                    "STRICT_SPREAD)")
+    timeout_s: float = _f(300.0, "collective timeout: a failed rank takes the job down within it")
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks this launcher starts."""
+        return self.num_workers if self.name == "ray" else self.nproc_per_node
+
+    def __post_init__(self) -> None:
+        if self.name not in ("local", "ray"):
+            raise ConfigError(f"launcher.name={self.name!r}: use local or ray")
+        for key in ("nproc_per_node", "nnodes", "num_workers"):
+            check_number(getattr(self, key), f"launcher.{key}", low=1)
+        check_number(self.timeout_s, "launcher.timeout_s", low=0, low_open=True)
+        if self.ray_placement not in PLACEMENTS:
+            raise ConfigError(f"launcher.ray_placement={self.ray_placement!r}: use {', '.join(PLACEMENTS)}")
+
+
+@dataclass(kw_only=True)
+class RefitConfig:
+    bucket_mb: int = _f(64, "refit bucket size (MiB)")
+    verify: bool = _f(False, "check engine addresses and checksums after every refit")
+
+    def __post_init__(self) -> None:
+        check_number(self.bucket_mb, "refit.bucket_mb", low=1)
