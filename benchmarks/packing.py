@@ -6,7 +6,7 @@ peak memory of log-prob+entropy with and without vocabulary chunking.
 Throughput: a small random-init Qwen2, prompt+response lengths uniform in [16, 512],
 loss = sum of response log-probs + entropies, forward+backward. Baseline ("padded"):
 fixed-count micro-batches in arrival order, padded to their longest row, HF's own mask.
-Ours: ``compute_logprobs_entropy(packed=True)`` per attention backend.
+Ours: ``compute_logprobs_entropy(options=ForwardOptions(packed=True))`` per attention backend.
 
 Memory: N response tokens × V vocab, hidden 256, peak RSS above the start (Linux
 VmHWM, reset via /proc/self/clear_refs) for chunked vs full-logits log-prob+entropy
@@ -29,7 +29,7 @@ from _common import best_interleaved, report  # noqa: E402
 import transformers
 
 from hybridrl.attention.packing import make_microbatches, padding_fraction
-from hybridrl.trainer.forward import chunked_logprobs_entropy, compute_logprobs_entropy
+from hybridrl.trainer.forward import ForwardOptions, chunked_logprobs_entropy, compute_logprobs_entropy
 
 
 def _rows(batch, seed=0, vocab=4096):
@@ -43,7 +43,7 @@ def _rows(batch, seed=0, vocab=4096):
 
 
 def _step(model, ids, mask, resp, **kw):
-    lp, ent = compute_logprobs_entropy(model, ids, mask, resp, **kw)
+    lp, ent = compute_logprobs_entropy(model, ids, mask, resp, options=ForwardOptions(**kw))
     (lp.sum() + ent.sum()).backward()
 
 

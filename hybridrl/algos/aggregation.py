@@ -60,6 +60,22 @@ class GlobalBatchInfo:
         return cls(global_tokens=tokens, global_seqs=seqs, dp_size=dp_size)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LossAggregation:
+    """How a loss reduces its per-token matrix to a scalar: the arguments of ``agg_loss``
+    that travel together from the loop into every loss (``mode`` is ``agg_loss``'s
+    ``loss_agg_mode``; ``global_batch_info``, ``loss_scale_factor`` as there)."""
+
+    mode: str = "token-mean"  # one of LOSS_AGG_MODES (algo.loss_agg_mode)
+    global_batch_info: GlobalBatchInfo | None = None  # the mini-batch's normalizers; None = this batch is all
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's constant C (max response length)
+
+    def __call__(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """``agg_loss(loss_mat [B, L], loss_mask [B, L], mode, ...)`` → scalar."""
+        return agg_loss(loss_mat, loss_mask, self.mode, global_batch_info=self.global_batch_info,
+                        loss_scale_factor=self.loss_scale_factor)
+
+
 def _at_least_one(count):
     return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(float(count), 1.0)
 

@@ -14,7 +14,8 @@ import torch
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
 from hybridrl.config import AlgoConfig, Config, OptimConfig
-from hybridrl.trainer.forward import MoEForward, compute_logprobs_entropy, router_load_balancing_loss
+from hybridrl.trainer.forward import (ForwardOptions, MoEForward, compute_logprobs_entropy,
+                                      router_load_balancing_loss)
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import shared_prefix_logprobs_entropy
 
@@ -144,6 +145,9 @@ class Actor:
         agg = dict(loss_agg_mode=self.loss_agg_mode, global_batch_info=info, loss_scale_factor=self.loss_scale_factor)
         self.optimizer.zero_grad(set_to_none=True)
         policy_loss_fn = algos.get_policy_loss(pl.name)
+        clip = algos.ClipRange(low=pl.clip_ratio_low, high=pl.clip_ratio_high, c=pl.clip_ratio_c)
+        aggregation = algos.LossAggregation(mode=self.loss_agg_mode, global_batch_info=info,
+                                            loss_scale_factor=self.loss_scale_factor)
         acc: dict[str, float] = {}
         weights = [float(m.sum()) for m in masks]
         total_w = max(sum(weights), 1.0)
@@ -159,15 +163,14 @@ class Actor:
                        if moe_extras else None)
                 log_prob, entropy = compute_logprobs_entropy(
                     self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
-                    temperature=temperature, compute_entropy=True, moe=moe)
+                    options=ForwardOptions(temperature=temperature, compute_entropy=True), moe=moe)
             # On-policy fast path: without a separate old-log-prob pass, the policy that
             # sampled is the one being updated, so old = current (detached), ratio = 1.
             old_log_prob = micro.get("old_log_prob", log_prob.detach())
             pg_loss, pg_metrics = policy_loss_fn(
                 old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro["advantages"],
-                response_mask=micro["response_mask"], clip_ratio_low=pl.clip_ratio_low,
-                clip_ratio_high=pl.clip_ratio_high, clip_ratio_c=pl.clip_ratio_c,
-                rollout_is_weights=micro.get("rollout_is_weights"), **agg)
+                response_mask=micro["response_mask"], clip=clip,
+                rollout_is_weights=micro.get("rollout_is_weights"), aggregation=aggregation)
             loss = pg_loss
             metrics = {f"actor/{k}": float(v) * w / total_w for k, v in pg_metrics.items()}
             metrics["actor/pg_loss"] = float(pg_loss.detach())

@@ -5,7 +5,7 @@ Three memory sinks of the textbook ``model(input_ids, attention_mask).logits`` f
 are removed here:
 
 1. **Padding.** Rows are packed (no pad tokens computed) and attention runs per sequence
-   without an S×S mask (``attn_backend``, see :func:`compute_logprobs_entropy`).
+   without an S×S mask (``ForwardOptions.attn_backend``, see :func:`compute_logprobs_entropy`).
 2. **Prompt logits.** The lm_head runs only at the positions that predict response
    tokens (hidden state at t-1 predicts token t).
 3. **Full ``[tokens, vocab]`` float32 logits.** :class:`_ChunkedLogprobEntropy` computes
@@ -33,6 +33,33 @@ ATTN_BACKENDS = ("auto", "varlen", "block_diagonal", "bucketed")
 # the attention itself, and length-sorted padded buckets (is_causal, no mask) win.
 CPU_VARLEN_MIN_MEAN_LEN = 128
 DEFAULT_BUCKET_TOKENS = 8192
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardOptions:
+    """Options of :func:`compute_logprobs_entropy`: the distribution scored (``temperature``),
+    whether entropy is returned, and how the forward runs (padded or packed, lm_head
+    chunk, token budget per backbone call, attention backend). Frozen, keyword-only.
+
+    temperature: logits are divided by it; 0 means greedy, scored at 1.
+    packed: False runs the plain padded forward (the reference).
+    vocab_chunk_tokens: tokens per lm_head chunk (bounds ``[chunk, V]`` float32).
+    compute_entropy: False returns zeros for entropy (computed anyway, it is cheap next to
+        the logits; kept for the contract).
+    max_tokens_per_microbatch: token budget per backbone call (length-sorted, see
+        ``make_microbatches``); None = all rows in one call (bucketed: 8192).
+    attn_backend: ``"varlen"`` (one packed row, flash-attn varlen or per-sequence SDPA),
+        ``"block_diagonal"`` (one packed row, transformers' T×T mask), ``"bucketed"``
+        (length-sorted padded micro-batches, is_causal, no mask) or ``"auto"`` (varlen on
+        CPU and with flash-attn on CUDA, else bucketed); see ``ATTN_BACKENDS``.
+    """
+
+    temperature: float = 1.0
+    packed: bool = True
+    vocab_chunk_tokens: int = 1024
+    compute_entropy: bool = True
+    max_tokens_per_microbatch: int | None = None
+    attn_backend: str = "auto"
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
@@ -183,12 +210,7 @@ def compute_logprobs_entropy(
     attention_mask: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    packed: bool = True,
-    vocab_chunk_tokens: int = 1024,
-    compute_entropy: bool = True,
-    max_tokens_per_microbatch: int | None = None,
-    attn_backend: str = "auto",
+    options: ForwardOptions = ForwardOptions(),
     moe: MoEForward | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the response tokens under ``model``.
@@ -198,32 +220,20 @@ def compute_logprobs_entropy(
         input_ids: ``[B, L]`` long, prompt + response, right-padded (any padding works).
         attention_mask: ``[B, L]`` 0/1.
         response_mask: ``[B, L]`` 0/1, the positions to score (position 0 cannot be).
-        temperature: logits are divided by it; 0 means greedy, scored at 1.
-        packed: False runs the plain padded forward (the reference).
-        vocab_chunk_tokens: tokens per lm_head chunk (bounds ``[chunk, V]`` float32).
-        compute_entropy: False returns zeros for entropy (computed anyway, it is cheap
-            next to the logits; kept for the contract).
-        max_tokens_per_microbatch: token budget per backbone call (length-sorted, see
-            ``make_microbatches``); None = all rows in one call (bucketed: 8192).
-        attn_backend: ``"varlen"`` (one packed row, flash-attn varlen or per-sequence SDPA),
-            ``"block_diagonal"`` (one packed row, transformers' T×T mask), ``"bucketed"``
-            (length-sorted padded micro-batches, is_causal, no mask) or ``"auto"``
-            (varlen on CPU and with flash-attn on CUDA, else bucketed).
+        options: temperature, padded or packed, lm_head chunk, entropy on/off, token budget
+            per backbone call, attention backend; see :class:`ForwardOptions`.
         moe: MoE models only — replay recorded expert choices and/or collect the router
             logits of the real tokens (for the load-balancing loss); see :class:`MoEForward`.
     Returns:
         ``(logprobs, entropy)``, both ``[B, L]`` float32; ``logprobs[b, t] = log
-        softmax(logits[b, t-1] / T)[input_ids[b, t]]`` where ``response_mask[b, t]``,
-        0 elsewhere; entropy of that same distribution. Differentiable under grad.
+        softmax(logits[b, t-1] / T)[input_ids[b, t]]`` (T = ``options.temperature``) where
+        ``response_mask[b, t]``, 0 elsewhere; entropy of that same distribution.
+        Differentiable under grad.
     """
     routed = getattr(model, FSDP_ROUTE, None)
     if routed is not None:  # FSDP2-sharded: through a registered forward method (see distributed/fsdp.py)
-        return routed(input_ids, attention_mask, response_mask, temperature=temperature, packed=packed,
-                      vocab_chunk_tokens=vocab_chunk_tokens, compute_entropy=compute_entropy,
-                      max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend, moe=moe)
-    return _logprobs_entropy(model, input_ids, attention_mask, response_mask, temperature=temperature,
-                             packed=packed, vocab_chunk_tokens=vocab_chunk_tokens, compute_entropy=compute_entropy,
-                             max_tokens_per_microbatch=max_tokens_per_microbatch, attn_backend=attn_backend, moe=moe)
+        return routed(input_ids, attention_mask, response_mask, options=options, moe=moe)
+    return _logprobs_entropy(model, input_ids, attention_mask, response_mask, options=options, moe=moe)
 
 
 FSDP_ROUTE = "hybridrl_fsdp_logprobs_entropy"
@@ -260,8 +270,8 @@ class MoEForward:
         return self.router_logits is not None
 
 
-def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, temperature, packed, vocab_chunk_tokens,
-                      compute_entropy, max_tokens_per_microbatch, attn_backend, moe=None):
+def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, options: ForwardOptions,
+                      moe: MoEForward | None = None):
     if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
         raise ValueError(
             "compute_logprobs_entropy: input_ids, attention_mask and response_mask must share shape [B, L], got "
@@ -276,7 +286,7 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, temper
     target_flat = scored.flatten().nonzero().squeeze(1)  # (N,) into (B*L)
     source_flat = target_flat - 1  # hidden state at t-1 predicts token t
 
-    if not packed:
+    if not options.packed:
         routing = None if moe is None else moe.routed_experts
         extra = {"output_router_logits": True} if moe is not None and moe.wants_logits else {}
         with (moe.replay(model, routing) if moe is not None else contextlib.nullcontext()):
@@ -288,17 +298,19 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, temper
         lookup = torch.arange(batch * seq, device=input_ids.device)
     else:
         mean_len = float((attention_mask != 0).sum()) / max(batch, 1)
-        backend = _resolve_backend(attn_backend, input_ids.device, lm_head.weight.dtype, mean_len)
-        hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend, max_tokens_per_microbatch,
-                                             moe)
+        backend = _resolve_backend(options.attn_backend, input_ids.device, lm_head.weight.dtype, mean_len)
+        hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend,
+                                             options.max_tokens_per_microbatch, moe)
 
     hidden_src = hidden_all[lookup[source_flat]]  # (N, D)
     logp, ent = chunked_logprobs_entropy(
-        hidden_src, lm_head, input_ids.flatten()[target_flat], temperature=temperature, chunk_tokens=vocab_chunk_tokens
+        hidden_src, lm_head, input_ids.flatten()[target_flat], temperature=options.temperature,
+        chunk_tokens=options.vocab_chunk_tokens,
     )
     zeros = torch.zeros(batch * seq, dtype=torch.float32, device=input_ids.device)
     logprobs = zeros.index_put((target_flat,), logp).view(batch, seq)
-    entropy = zeros.index_put((target_flat,), ent).view(batch, seq) if compute_entropy else zeros.view(batch, seq)
+    entropy = (zeros.index_put((target_flat,), ent).view(batch, seq) if options.compute_entropy
+               else zeros.view(batch, seq))
     return logprobs, entropy
 
 

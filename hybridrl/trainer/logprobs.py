@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.attention.packing import make_microbatches
-from hybridrl.trainer.forward import MoEForward, compute_logprobs_entropy
+from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprobs_entropy
 
 
 def trim_padding_columns(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -33,8 +33,9 @@ def logprobs_in_microbatches(model, input_ids, attention_mask, response_mask, *,
         micro = trim_padding_columns(micro)
         moe = MoEForward(routed_experts=micro["routed_experts"]) if routed_experts is not None else None
         lp, ent = compute_logprobs_entropy(model, micro["input_ids"], micro["attention_mask"],
-                                           micro["response_mask"], temperature=temperature,
-                                           compute_entropy=with_entropy, moe=moe)
+                                           micro["response_mask"], moe=moe,
+                                           options=ForwardOptions(temperature=temperature,
+                                                                  compute_entropy=with_entropy))
         width = lp.shape[1]
         logprobs[rows, :width] = lp
         if with_entropy:

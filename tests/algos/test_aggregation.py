@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from _algo_helpers import make_mask, rand
-from hybridrl.algos import LOSS_AGG_MODES, POLICY_LOSSES, GlobalBatchInfo, agg_loss, get_policy_loss
+from hybridrl.algos import (LOSS_AGG_MODES, POLICY_LOSSES, ClipRange, GlobalBatchInfo, LossAggregation, agg_loss,
+                            get_policy_loss)
 
 C = 16.0  # Dr. GRPO constant (max response length)
 
@@ -50,8 +51,8 @@ def _loss_fn(name):
                                                             loss_scale_factor=C)
     fn = get_policy_loss(name)
     return lambda lp, old, adv, m, mode, info: fn(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=m, loss_agg_mode=mode, clip_ratio_low=0.2,
-        clip_ratio_high=0.28, global_batch_info=info, loss_scale_factor=C)[0]
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=m, clip=ClipRange(low=0.2, high=0.28),
+        aggregation=LossAggregation(mode=mode, global_batch_info=info, loss_scale_factor=C))[0]
 
 
 @pytest.mark.parametrize("name", ["agg", *sorted(POLICY_LOSSES)])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _algo_helpers import make_mask, perturb_outside, rand
-from hybridrl.algos import POLICY_LOSSES, get_policy_loss
+from hybridrl.algos import POLICY_LOSSES, ClipRange, LossAggregation, get_policy_loss
 
 F64 = dict(dtype=torch.float64)
 
@@ -21,7 +21,7 @@ def test_vanilla_hand():
     old = torch.full_like(ratio, -1.0)
     lp = (old + ratio.log()).requires_grad_(True)
     loss, m = _call("vanilla", old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
-                    clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+                    clip=ClipRange(low=0.2, high=0.28, c=3.0))
     # token 0: max(-1.5, -1.28) = -1.28 (clipped, no grad); token 1: max(0.5, 0.8) = 0.8 (clipped)
     # token 2: max(10, 2.56)=10 → dual clip min(10, 6)=6 (no grad)
     torch.testing.assert_close(loss, torch.tensor((-1.28 + 0.8 + 6.0) / 3, **F64))
@@ -35,7 +35,7 @@ def test_vanilla_hand():
     # without dual clip token 2 contributes 10 and has gradient -A·r/3
     lp.grad = None
     loss, m = _call("vanilla", old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
-                    clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
+                    clip=ClipRange(low=0.2, high=0.28, c=None))
     torch.testing.assert_close(loss, torch.tensor((-1.28 + 0.8 + 10.0) / 3, **F64))
     loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[0, 0, 10 / 3, 0]], **F64))
@@ -79,7 +79,7 @@ def test_vanilla_matches_float64_reference_and_grad():
     lp = lp0.clone().requires_grad_(True)
     ref = lp0.clone().requires_grad_(True)
     loss, _ = _call("vanilla", old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
-                    clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=1.5)
+                    clip=ClipRange(low=0.1, high=0.15, c=1.5))
     torch.testing.assert_close(loss, _ref_vanilla(lp0, old, adv, mask, 0.1, 0.15, 1.5))
     # gradient against autograd of a direct formula
     r = torch.exp(ref - old)
@@ -95,7 +95,7 @@ def test_gspo_matches_sequence_level_objective_and_its_gradient():
     lp = lp0.clone().requires_grad_(True)
     ref = lp0.clone().requires_grad_(True)
     loss, m = _call("gspo", old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
-                    clip_ratio_low=0.01, clip_ratio_high=0.02, loss_agg_mode="seq-mean-token-mean")
+                    clip=ClipRange(low=0.01, high=0.02), aggregation=LossAggregation(mode="seq-mean-token-mean"))
     ref_loss = _ref_gspo(ref, old, adv, mask, 0.01, 0.02)
     torch.testing.assert_close(loss, ref_loss)
     loss.backward()
@@ -109,7 +109,7 @@ def test_gspo_hand():
     old = torch.tensor([[-1.0, -2.0]], **F64)
     lp = (old + torch.tensor([[0.1, 0.3]], **F64)).requires_grad_(True)
     loss, m = _call("gspo", old_log_prob=old, log_prob=lp, advantages=torch.ones(1, 2, **F64),
-                    response_mask=torch.ones(1, 2, **F64), clip_ratio_low=0.5, clip_ratio_high=0.5)
+                    response_mask=torch.ones(1, 2, **F64), clip=ClipRange(low=0.5, high=0.5))
     torch.testing.assert_close(loss, -torch.tensor(math.exp(0.2), **F64))
     loss.backward()
     torch.testing.assert_close(lp.grad, torch.full((1, 2), -math.exp(0.2) / 2, **F64))
@@ -122,7 +122,7 @@ def test_cispo_hand_gradient_is_clipped_weight_times_score():
     old = torch.full_like(ratio, -1.5)
     lp = (old + ratio.log()).requires_grad_(True)
     loss, m = _call("cispo", old_log_prob=old, log_prob=lp, advantages=adv, response_mask=torch.ones_like(adv),
-                    clip_ratio_low=1.0, clip_ratio_high=0.28)
+                    clip=ClipRange(low=1.0, high=0.28))
     w = torch.tensor([[1.28, 0.5, 1.1]], **F64)
     torch.testing.assert_close(loss, (-adv * w * lp.detach()).mean())
     loss.backward()
@@ -146,7 +146,7 @@ def test_masks_grads_and_weights(name):
     weights = rand(mask.shape, gen).abs() + 0.5
     old_r, adv_r, w_r = (t.clone().requires_grad_(True) for t in (old, adv, weights))
     lp = lp0.clone().requires_grad_(True)
-    kw = dict(response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean",
+    kw = dict(response_mask=mask, clip=ClipRange(low=0.2, high=0.28), aggregation=LossAggregation(mode="token-mean"),
               some_future_option=1)
     loss, metrics = _call(name, old_log_prob=old_r, log_prob=lp, advantages=adv_r, rollout_is_weights=w_r, **kw)
     loss.backward()
@@ -186,4 +186,16 @@ def test_unknown_loss_and_bad_c():
         get_policy_loss("gpso")
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        _call("vanilla", old_log_prob=x, log_prob=x, advantages=x, response_mask=torch.ones(1, 2), clip_ratio_c=0.5)
+        _call("vanilla", old_log_prob=x, log_prob=x, advantages=x, response_mask=torch.ones(1, 2),
+              clip=ClipRange(c=0.5))
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_flat_clip_and_aggregation_keywords_are_refused(name):
+    """The keywords ClipRange / LossAggregation replaced would be swallowed by **kwargs."""
+    x = torch.zeros(1, 2)
+    with pytest.raises(TypeError, match=r"clip_ratio_low.*ClipRange"):
+        _call(name, old_log_prob=x, log_prob=x, advantages=x, response_mask=torch.ones(1, 2), clip_ratio_low=0.1)
+    with pytest.raises(TypeError, match=r"loss_agg_mode.*LossAggregation"):
+        _call(name, old_log_prob=x, log_prob=x, advantages=x, response_mask=torch.ones(1, 2),
+              loss_agg_mode="token-sum")

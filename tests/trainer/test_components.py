@@ -33,7 +33,7 @@ def test_gspo_preset_reaches_the_trainer_loss(tmp_path, monkeypatch):
         fn = real(name)
 
         def wrapped(**kw):
-            calls.append((name, kw["clip_ratio_low"], kw["clip_ratio_high"], kw["loss_agg_mode"]))
+            calls.append((name, kw["clip"].low, kw["clip"].high, kw["aggregation"].mode))
             return fn(**kw)
         return wrapped
 

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from hybridrl.attention import varlen
-from hybridrl.trainer.forward import chunked_logprobs_entropy, compute_logprobs_entropy
+from hybridrl.trainer.forward import ForwardOptions, chunked_logprobs_entropy, compute_logprobs_entropy
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,8 @@ def test_packed_equals_padded_with_grads(model, backend, seed, monkeypatch):
     w_lp, w_ent = torch.randn(ids.shape), torch.randn(ids.shape)  # arbitrary upstream grads
     ref_g = torch.autograd.grad((ref_lp * w_lp + ref_ent * w_ent).sum(), params)
     lp, ent = compute_logprobs_entropy(
-        model, ids, mask, response, temperature=0.8, attn_backend=backend,
-        vocab_chunk_tokens=7, max_tokens_per_microbatch=40,
+        model, ids, mask, response, options=ForwardOptions(
+            temperature=0.8, attn_backend=backend, vocab_chunk_tokens=7, max_tokens_per_microbatch=40),
     )
     assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ids.shape
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=2e-5)
@@ -67,7 +67,8 @@ def test_packed_equals_padded_with_grads(model, backend, seed, monkeypatch):
 def test_no_grad_and_unpacked_and_model_attention_restored(model):
     ids, mask, response = batch(3)
     with torch.no_grad():
-        lp, ent = compute_logprobs_entropy(model, ids, mask, response, packed=False, compute_entropy=False)
+        lp, ent = compute_logprobs_entropy(model, ids, mask, response,
+                                           options=ForwardOptions(packed=False, compute_entropy=False))
         plp, _ = compute_logprobs_entropy(model, ids, mask, response)
     torch.testing.assert_close(plp, lp, rtol=1e-5, atol=2e-5)
     assert not lp.requires_grad and torch.count_nonzero(ent) == 0

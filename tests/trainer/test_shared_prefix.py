@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hybridrl.trainer.forward import compute_logprobs_entropy
+from hybridrl.trainer.forward import ForwardOptions, compute_logprobs_entropy
 from hybridrl.trainer.shared_prefix import shared_prefix_logprobs_entropy
 
 
@@ -39,7 +39,8 @@ def test_matches_plain_forward_and_gradients(seed):
     model = Qwen2ForCausalLM(cfg).float()
     ids, am, rm, plen, group = _batch(seed)
     w = torch.randn(ids.shape)
-    lp_ref, ent_ref = compute_logprobs_entropy(model, ids, am, rm, temperature=0.8, packed=False)
+    lp_ref, ent_ref = compute_logprobs_entropy(model, ids, am, rm,
+                                               options=ForwardOptions(temperature=0.8, packed=False))
     (lp_ref * w).sum().add((ent_ref * w).sum()).backward()
     g_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -21,7 +21,7 @@ FAMILIES = {
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_refit_logprobs_and_greedy(family):
-    from hybridrl.trainer.forward import compute_logprobs_entropy
+    from hybridrl.trainer.forward import ForwardOptions, compute_logprobs_entropy
     from hybridrl.vllm_backend import VllmEngine
 
     config_cls, model_cls, tied = FAMILIES[family]
@@ -41,7 +41,7 @@ def test_family_refit_logprobs_and_greedy(family):
         ro = engine.generate(prompts, SamplingParams(temperature=0.9, max_tokens=8, n=3, seed=2))
         with torch.no_grad():
             lp, _ = compute_logprobs_entropy(model, ro.input_ids, ro.attention_mask, ro.response_mask,
-                                             temperature=0.9)
+                                             options=ForwardOptions(temperature=0.9))
         mask = ro.response_mask.bool()
         assert (lp - ro.logprobs)[mask].abs().max() < 1e-4
         greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8)).response_token_ids

@@ -33,7 +33,7 @@ def test_from_pretrained_is_version_1_and_matches_transformers(engine, tiny_chec
 def test_refit_from_perturbed_model(engine, tiny_checkpoint):
     """The issue's core check: refit via refit_from_model, then greedy == transformers,
     sampled log-probs == the trainer's recompute (1e-4), weight_version advanced once."""
-    from hybridrl.trainer.forward import compute_logprobs_entropy
+    from hybridrl.trainer.forward import ForwardOptions, compute_logprobs_entropy
 
     _, tok, model = tiny_checkpoint
     new = perturbed(model, seed=1)
@@ -52,7 +52,7 @@ def test_refit_from_perturbed_model(engine, tiny_checkpoint):
         assert len(ro.response_token_ids) == 4 * len(prompts)
         with torch.no_grad():
             lp, _ = compute_logprobs_entropy(new, ro.input_ids, ro.attention_mask, ro.response_mask,
-                                             temperature=temperature)
+                                             options=ForwardOptions(temperature=temperature))
         mask = ro.response_mask.bool()
         assert mask.sum() > 0
         assert (lp - ro.logprobs)[mask].abs().max() < 1e-4, temperature
@@ -253,7 +253,7 @@ def test_truncated_sampling_reports_full_vocabulary_logprobs(engine, tiny_checkp
     truncated, renormalized one: equal to the recompute within 1e-4 (float32), and below the
     truncated value by -log(kept mass) wherever that mass is < 1. A greedy request in the same
     batch reports log_softmax(logits)."""
-    from hybridrl.trainer.forward import compute_logprobs_entropy
+    from hybridrl.trainer.forward import ForwardOptions, compute_logprobs_entropy
 
     _, tok, model = tiny_checkpoint
     new = perturbed(model, seed=10, scale=0.15)  # flatter logits: truncation removes real mass
@@ -266,9 +266,9 @@ def test_truncated_sampling_reports_full_vocabulary_logprobs(engine, tiny_checkp
     mask = ro.response_mask.bool()
     with torch.no_grad():
         lp, _ = compute_logprobs_entropy(new, ro.input_ids, ro.attention_mask, ro.response_mask,
-                                         temperature=temperature)
+                                         options=ForwardOptions(temperature=temperature))
         lp_greedy, _ = compute_logprobs_entropy(new, ro.input_ids, ro.attention_mask, ro.response_mask,
-                                                temperature=0.0)
+                                                options=ForwardOptions(temperature=0.0))
     assert (lp - ro.logprobs)[:rows][mask[:rows]].abs().max() < 1e-4
     assert (lp_greedy - ro.logprobs)[rows:][mask[rows:]].abs().max() < 1e-4
     truncated = _truncated_logprobs(new, ro, temperature, top_k, top_p)[:rows][mask[:rows]]
