@@ -147,8 +147,7 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
     rollout.refit(model)  # first load = the refit path
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
     return RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
-                  train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0),
-                  generator=torch.Generator().manual_seed(cfg.trainer.seed), dp=dp)
+                  train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0), dp=dp)
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int):

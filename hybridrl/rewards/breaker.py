@@ -18,10 +18,27 @@ that fails one call in four never is (the chance that 22 of 24 such calls fail i
 from __future__ import annotations
 
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Callable
 
 DEFAULT_WINDOW = 24
 DEFAULT_MAX_FAILURE_RATE = 0.9
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a reward counts as broken: ``max_failure_rate`` of the last ``window`` calls
+    failed (``max_failure_rate=None``: never)."""
+
+    window: int = DEFAULT_WINDOW
+    max_failure_rate: float | None = DEFAULT_MAX_FAILURE_RATE
+
+    def __post_init__(self) -> None:
+        rate = self.max_failure_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1):
+            raise ValueError(f"reward.max_failure_rate={rate!r}: must be in (0, 1], or null to never stop")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"reward.failure_window={self.window!r}: must be an integer >= 1 (calls)")
 
 
 class RewardBrokenError(ValueError):

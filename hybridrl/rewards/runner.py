@@ -12,9 +12,9 @@ GIL. A batched reward (``fn.hybridrl_batched``) is called once per batch, the ti
 applying to that whole call; if it fails, every sample of the batch fails.
 
 A reward whose recent calls (nearly) all fail is broken, not unlucky: once at least
-``max_failure_rate`` of the last ``failure_window`` calls failed, :class:`RewardBrokenError`
-stops the batch (and the run) with one line (``breaker.py``); ``max_failure_rate=None``
-never stops. For a batched reward every sample of a failed batch counts as one call.
+``stop_rule.max_failure_rate`` of the last ``stop_rule.window`` calls failed,
+:class:`RewardBrokenError` stops the batch (and the run) with one line (``breaker.py``);
+``max_failure_rate=None`` never stops. For a batched reward every sample of a failed batch counts as one call.
 
 Failures are counted, and the first one of each reason in the runner's life is reported
 once, with its message and where it was raised (``first_errors``, and the ``report``
@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from hybridrl.rewards.breaker import DEFAULT_MAX_FAILURE_RATE, DEFAULT_WINDOW, FailureBreaker
+from hybridrl.rewards.breaker import FailureBreaker, StopRule
 from hybridrl.rewards.outcome import Outcome, call_batch, call_one, failed
 from hybridrl.rewards.process_pool import TIMEOUT, Lost, ProcessPool
 from hybridrl.rewards.registry import RewardFn, is_batched, is_trusted, reward_label
@@ -71,7 +71,7 @@ class RewardRunner:
     def __init__(self, fn: RewardFn | str | Sequence[Mapping[str, Any]], *, timeout_s: float = 10.0,
                  workers: int = 4, failure_reward: float = 0.0, memory_limit_mb: int | None = None,
                  worker_output: str | os.PathLike | None = None, report: Callable[[str], None] | None = None,
-                 max_failure_rate: float | None = DEFAULT_MAX_FAILURE_RATE, failure_window: int = DEFAULT_WINDOW):
+                 stop_rule: StopRule = StopRule()):
         if not (_is_finite(timeout_s) and timeout_s > 0):  # NaN would switch the timeout off
             raise ValueError(f"reward.timeout_s={timeout_s!r}: must be a finite number of seconds > 0")
         if not (_is_int(workers) and workers >= 1):
@@ -81,13 +81,9 @@ class RewardRunner:
         if memory_limit_mb is not None and not (_is_int(memory_limit_mb) and memory_limit_mb >= 1):
             raise ValueError(f"reward.memory_limit_mb={memory_limit_mb!r}: must be an integer >= 1 (MB), "
                              "or null for no limit")
-        if max_failure_rate is not None and not (_is_finite(max_failure_rate) and 0 < max_failure_rate <= 1):
-            raise ValueError(f"reward.max_failure_rate={max_failure_rate!r}: must be in (0, 1], or null to never stop")
-        if not (_is_int(failure_window) and failure_window >= 1):
-            raise ValueError(f"reward.failure_window={failure_window!r}: must be an integer >= 1 (calls)")
         self.fn = build_reward(fn)
-        self.breaker = FailureBreaker(f"reward {reward_label(self.fn)!r}", window=failure_window,
-                                      max_failure_rate=max_failure_rate, fix=self._advice)
+        self.breaker = FailureBreaker(f"reward {reward_label(self.fn)!r}", window=stop_rule.window,
+                                      max_failure_rate=stop_rule.max_failure_rate, fix=self._advice)
         self.timeout_s = float(timeout_s)
         self.workers = workers
         self.failure_reward = float(failure_reward)
@@ -107,7 +103,7 @@ class RewardRunner:
         """From a ``RewardConfig`` (``cfg.reward``)."""
         return cls(reward.functions, timeout_s=reward.timeout_s, workers=reward.workers,
                    failure_reward=reward.failure_reward, memory_limit_mb=reward.memory_limit_mb, report=report,
-                   max_failure_rate=reward.max_failure_rate, failure_window=reward.failure_window)
+                   stop_rule=StopRule(window=reward.failure_window, max_failure_rate=reward.max_failure_rate))
 
     def score(self, responses: list[str], answers: list[Any], prompts: list[str]) -> RewardBatch:
         """Scores ``[B]`` for ``B`` (response, answer, prompt) triples."""

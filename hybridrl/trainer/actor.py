@@ -52,8 +52,9 @@ class Actor:
 
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, algo: AlgoConfig, temperature: float,
                  loss_scale_factor: float | None = None, max_tokens_per_microbatch: int = 8192,
-                 shared_prefix: bool = True):
+                 shared_prefix: bool = True, seed: int = 0):
         self.model = model
+        self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling (its state is resumed)
         self.policy_loss, self.kl = algo.policy_loss, algo.kl
         self.loss_agg_mode, self.loss_scale_factor = algo.loss_agg_mode, loss_scale_factor
         self.temperature = temperature
@@ -69,7 +70,8 @@ class Actor:
         """The run's actor over ``model`` (``optim``, ``algo``, ``batch``, ``rollout`` groups)."""
         return cls(model, optim=cfg.optim, algo=cfg.algo, temperature=cfg.rollout.temperature,
                    loss_scale_factor=float(cfg.rollout.max_tokens),
-                   max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch, shared_prefix=cfg.batch.shared_prefix)
+                   max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch, shared_prefix=cfg.batch.shared_prefix,
+                   seed=cfg.trainer.seed)
 
     def reset_optimizer(self) -> None:
         """A fresh AdamW and LR schedule over the model's current parameters (after FSDP2
@@ -83,9 +85,9 @@ class Actor:
         return make_microbatches(lengths.tolist(), self.max_tokens)
 
     def state_dict(self, *, optimizer: bool = True) -> dict:
-        """Optimizer and LR-schedule state (the weights are saved in HF format);
+        """Optimizer, LR-schedule and shuffling-generator state (the weights are saved in HF format);
         ``optimizer=False``: the schedule only (a sharded run keeps the optimizer in DCP)."""
-        state = {"scheduler": self.scheduler.state_dict()}
+        state = {"scheduler": self.scheduler.state_dict(), "shuffle": self.generator.get_state()}
         if optimizer:
             state["optimizer"] = self.optimizer.state_dict()
         return state
@@ -94,6 +96,7 @@ class Actor:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["shuffle"])
 
     @torch.no_grad()
     def compute_log_prob(self, input_ids, attention_mask, response_mask, *, with_entropy: bool = False,
@@ -105,9 +108,8 @@ class Actor:
                                         routed_experts=routed_experts,
                                         with_entropy=with_entropy)
 
-    def update(self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int,
-               generator: torch.Generator | None = None) -> dict[str, float]:
-        """PPO-style epochs over shuffled mini-batches. ``batch`` holds ``[N, L]`` tensors:
+    def update(self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int) -> dict[str, float]:
+        """PPO-style epochs over mini-batches shuffled by the actor's own generator. ``batch`` holds ``[N, L]`` tensors:
         input_ids, attention_mask, response_mask, advantages, and optionally old_log_prob
         (absent = on-policy: one epoch over one mini-batch), ref_log_prob,
         rollout_log_prob, rollout_is_weights."""
@@ -119,7 +121,7 @@ class Actor:
         sums: dict[str, float] = {}
         steps = 0
         for _ in range(epochs):
-            order = torch.randperm(n, generator=generator)
+            order = torch.randperm(n, generator=self.generator)
             for start in range(0, n, mini_batch_size):
                 idx = order[start:start + mini_batch_size]
                 metrics = self._mini_batch_step({k: v[idx] for k, v in batch.items()})

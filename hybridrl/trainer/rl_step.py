@@ -57,11 +57,9 @@ class RLStep:
     """The components of a run and the order of one step over them."""
 
     def __init__(self, *, rollout: RolloutWorker, scorer: RewardScorer, actor: Actor, critic: Critic | None,
-                 train_set: PromptSet, algo: AlgoConfig, shape: BatchShape, generator: torch.Generator,
-                 dp: DistContext | None = None):
+                 train_set: PromptSet, algo: AlgoConfig, shape: BatchShape, dp: DistContext | None = None):
         self.rollout, self.scorer, self.actor, self.critic = rollout, scorer, actor, critic
         self.train_set, self.algo, self.shape = train_set, algo, shape
-        self.generator = generator  # mini-batch shuffling
         self.reference: Reference | None = None
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
         self.dp = dp  # data parallel: this rank's share of every batch
@@ -95,12 +93,12 @@ class RLStep:
     def state_dict(self, *, optimizers: bool = True) -> dict:
         """What the step's components need for an exact resume besides their weights:
         optimizer and LR-schedule states (``optimizers=False``: a sharded run keeps the
-        optimizer states in DCP), the KL coefficient, the mini-batch shuffling generator,
-        the engine's weight version. Each component writes its own part."""
+        optimizer states in DCP), the actor's mini-batch shuffling generator, the KL
+        coefficient, the engine's weight version. Each component writes its own part."""
         critic = None if self.critic is None else self.critic.state_dict() if optimizers else "dcp"
         return {"actor": self.actor.state_dict(optimizer=optimizers), "critic": critic,
                 "kl_ctrl": None if self.kl_ctrl is None else self.kl_ctrl.state_dict(),
-                "shuffle": self.generator.get_state(), "rollout": self.rollout.state_dict()}
+                "rollout": self.rollout.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` into the built components (weights already loaded), then
@@ -110,7 +108,6 @@ class RLStep:
             self.critic.load_state_dict(state["critic"])
         if self.kl_ctrl is not None and state["kl_ctrl"] is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.generator.set_state(state["shuffle"])
         self.rollout.restore(self.actor.model, state["rollout"])
 
     def needs_old_log_prob(self) -> bool:
@@ -279,7 +276,7 @@ class RLStep:
         kept = {k: v[keep] for k, v in sb.tensors.items()}
         ranks = self.dp.world_size if self.dp is not None else 1  # each rank steps on its share
         metrics.update(self.actor.update(kept, mini_batch_size=min(self.shape.mini_batch_size // ranks, len(keep)),
-                                         epochs=self.shape.epochs, generator=self.generator))
+                                         epochs=self.shape.epochs))
         if self.critic is not None:
             metrics.update(self.critic.update({**kept, "returns": sb.returns[keep], "values": sb.values[keep]}))
         return metrics

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.rewards import RewardBrokenError, RewardRunner
-from hybridrl.rewards.breaker import FailureBreaker
+from hybridrl.rewards.breaker import FailureBreaker, StopRule
 
 HERE = Path(__file__).resolve().parent
 BAD = f"{HERE / 'misbehaving_rewards.py'}:by_response"
@@ -87,7 +87,7 @@ def test_runner_stops_inline_rewards_too():
         raise KeyError("no field 'answer'")
 
     always_raises.hybridrl_trusted = True  # the inline path (built-ins)
-    with RewardRunner(always_raises, failure_window=8) as r, pytest.raises(RewardBrokenError, match="8 of its last 8"):
+    with RewardRunner(always_raises, stop_rule=StopRule(window=8)) as r, pytest.raises(RewardBrokenError, match="8 of its last 8"):
         r.score(["a"] * 50, ["b"] * 50, [""] * 50)
 
 
@@ -110,7 +110,7 @@ def test_a_flaky_reward_costs_only_its_samples():
 @pytest.mark.parametrize("rate, window", [(0.0, 24), (1.5, 24), (0.9, 0)])
 def test_settings_are_checked(rate, window):
     with pytest.raises(ValueError, match="reward.max_failure_rate|reward.failure_window"):
-        RewardRunner("exact_match", max_failure_rate=rate, failure_window=window)
+        RewardRunner("exact_match", stop_rule=StopRule(window=window, max_failure_rate=rate))
 
 
 # -- the whole job, as the user ran it (issue #30): `hybridrl train` with a broken reward --
