@@ -138,16 +138,17 @@ def _build(cfg: Config, console: Console, directory: RunDir, model, tokenizer, r
     max_prompt = max(len(p) for p in train_set.prompts + eval_set.prompts)
     ranks = dp.world_size if dp is not None else 1
     max_batch = min(t.prompts_per_step * r.n // ranks, 256)
+    from hybridrl.rollout import EngineSpec
+
+    spec = EngineSpec(max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens, dtype=dtype, device=device,
+                      quantization=r.quantization)
     if r.backend == "vllm":
         from hybridrl.vllm_backend import VllmEngine
 
-        engine = VllmEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
-                            dtype=dtype, device=device, seed=t.seed, quantization=r.quantization,
-                            enforce_eager=r.enforce_eager, free_cache_engine=r.free_cache_engine)
+        engine = VllmEngine(model.config, spec, seed=t.seed, enforce_eager=r.enforce_eager,
+                            free_cache_engine=r.free_cache_engine)
     else:
-        engine = RolloutEngine(model.config, max_batch_size=max_batch, max_seq_len=max_prompt + r.max_tokens,
-                               dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager,
-                               record_routing=r.routing_replay)
+        engine = RolloutEngine(model.config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay)
     actor = Actor(model, optim=cfg.optim, policy_loss=a.policy_loss, kl=a.kl, loss_agg_mode=a.loss_agg_mode,
                   temperature=r.temperature, loss_scale_factor=float(r.max_tokens),
                   max_tokens_per_microbatch=t.max_tokens_per_microbatch, shared_prefix=t.shared_prefix,
