@@ -216,10 +216,11 @@ def start_vllm(hf, *, max_batch_size: int, max_seq_len: int, dtype=None):
     import torch
 
     from hybridrl.refit import refit_from_model
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine
 
-    engine = VllmEngine(hf.config, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                        dtype=dtype or torch.float32)
+    engine = VllmEngine(hf.config, EngineSpec(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                              dtype=dtype or torch.float32))
     try:
         refit_from_model(engine, hf)
     except BaseException:

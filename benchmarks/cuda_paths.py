@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import format_table, row  # noqa: E402
 
 from hybridrl.refit import refit_from_model
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 
 SMALL = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, intermediate_size=1408, tie_word_embeddings=False)
@@ -62,8 +62,8 @@ def _seconds(fn, device: torch.device, repeats: int) -> float:
 
 
 def bench_engine(name: str, hf, named, device, batches, repeats) -> list[dict]:
-    eng = RolloutEngine(hf.config, max_batch_size=max(batches), max_seq_len=256, dtype=torch.bfloat16,
-                        device=device, quantization=QUANTIZATIONS[name])
+    eng = RolloutEngine(hf.config, EngineSpec(max_batch_size=max(batches), max_seq_len=256, dtype=torch.bfloat16,
+                                              device=device, quantization=QUANTIZATIONS[name]))
     eng.load_weights(named)  # on CUDA this also captures the graphs
     runner, rows = eng.runner, []
     for batch in batches:
@@ -105,8 +105,8 @@ def bench_engine(name: str, hf, named, device, batches, repeats) -> list[dict]:
 def _decode_step_seconds(hf, named, device, max_seq_len: int, repeats: int) -> tuple[float, str]:
     """One decode step at batch LONG_BATCH, every row at live length LIVE, as the engine runs
     it with graphs (on CPU: the step a graph would capture, kv_len = max_seq_len)."""
-    eng = RolloutEngine(hf.config, max_batch_size=LONG_BATCH, max_seq_len=max_seq_len, dtype=torch.bfloat16,
-                        device=device)
+    eng = RolloutEngine(hf.config, EngineSpec(max_batch_size=LONG_BATCH, max_seq_len=max_seq_len, dtype=torch.bfloat16,
+                                              device=device))
     eng.load_weights(named)
     runner = eng.runner
     tokens = torch.randint(0, hf.config.vocab_size, (LONG_BATCH,), device=device)

@@ -82,15 +82,16 @@ class Evaluator:
     through an engine of its own (refit from the model before each evaluation)."""
 
     def __init__(self, run):
-        from hybridrl.rollout import RolloutEngine, SamplingParams
+        from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
         from hybridrl.trainer.rollout_worker import RolloutWorker
 
         cfg, model = run.cfg, run.policy
         self.tokenizer, self.eval_set = run.tokenizer, run.eval_set
         max_prompt = max(len(p) for p in self.eval_set.prompts)
-        engine = RolloutEngine(model.config, max_batch_size=min(max(len(self.eval_set.prompts), 1), 256),
-                               max_seq_len=max_prompt + cfg.rollout.max_tokens, dtype=next(model.parameters()).dtype,
-                               device=next(model.parameters()).device)
+        engine = RolloutEngine(model.config, EngineSpec(max_batch_size=min(max(len(self.eval_set.prompts), 1), 256),
+                                                        max_seq_len=max_prompt + cfg.rollout.max_tokens,
+                                                        dtype=next(model.parameters()).dtype,
+                                                        device=next(model.parameters()).device))
         eos = self.tokenizer.eos_token_id
         sampling = SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_tokens,
                                   stop_token_ids=(eos,) if eos is not None else ())

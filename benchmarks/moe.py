@@ -28,14 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import best_interleaved, moe_model as make_model, parse_args, report, row  # noqa: E402
 
-from hybridrl.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams  # noqa: E402
 from hybridrl.rollout.routing import enable_routing_record, hf_routers, replay_routing  # noqa: E402
 
 PROMPT_LEN = 32
 
 
 def bench_decode(hf, batch: int, new_tokens: int, repeats: int) -> dict:
-    engine = RolloutEngine(hf.config, max_batch_size=batch, max_seq_len=PROMPT_LEN + new_tokens)
+    engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=batch, max_seq_len=PROMPT_LEN + new_tokens))
     engine.load_weights(hf.named_parameters())
     prompts = torch.randint(0, hf.config.vocab_size, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0)
@@ -73,8 +73,9 @@ def trainer_choices(hf, out) -> torch.Tensor:
     return torch.stack(seen, dim=1).view(B, L, len(seen), -1).sort(dim=-1).values
 
 
-def bench_gap(hf, label: str, n_prompts: int, new_tokens: int, **engine_kw) -> list[dict]:
-    engine = RolloutEngine(hf.config, max_batch_size=n_prompts, max_seq_len=PROMPT_LEN + new_tokens, **engine_kw)
+def bench_gap(hf, label: str, n_prompts: int, new_tokens: int, **spec_kw) -> list[dict]:
+    spec = EngineSpec(max_batch_size=n_prompts, max_seq_len=PROMPT_LEN + new_tokens, **spec_kw)
+    engine = RolloutEngine(hf.config, spec)
     recorder = enable_routing_record(engine)
     engine.load_weights(hf.named_parameters())
     prompts = torch.randint(0, hf.config.vocab_size, (n_prompts, PROMPT_LEN), generator=torch.Generator().manual_seed(2))

@@ -39,7 +39,7 @@ from _common import (SMALL, best_interleaved, format_table, goal_line, moe_model
 
 from hybridrl.refit import BucketPacker, Refit, refit_from_model  # noqa: E402
 from hybridrl.refit.memory import peak_extra_bytes  # noqa: E402
-from hybridrl.rollout import RolloutEngine  # noqa: E402
+from hybridrl.rollout import EngineSpec, RolloutEngine  # noqa: E402
 from hybridrl.rollout.layers.linear import LinearBase  # noqa: E402
 
 CONFIGS = {
@@ -68,7 +68,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int, bucket: int = BUCKET) -> list[dict]:
     named = [(n, p.detach().to(dtype)) for n, p in hf.named_parameters()]
     nbytes = sum(_nbytes(t) for _, t in named)
-    eng = RolloutEngine(hf.config, max_batch_size=1, max_seq_len=16, dtype=dtype, quantization=quant)
+    eng = RolloutEngine(hf.config, EngineSpec(max_batch_size=1, max_seq_len=16, dtype=dtype, quantization=quant))
     refit_from_model(eng, named)
     dst = [torch.empty_like(t) for _, t in named]
 
@@ -88,7 +88,7 @@ def run_case(cfg_name: str, hf, precision: str, dtype, quant, repeats: int, buck
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     rows = []
     if quant is not None and "fp8" in quant and not hasattr(hf.config, "num_experts"):
-        bf16 = RolloutEngine(hf.config, max_batch_size=1, max_seq_len=16, dtype=torch.bfloat16)
+        bf16 = RolloutEngine(hf.config, EngineSpec(max_batch_size=1, max_seq_len=16, dtype=torch.bfloat16))
         rows.append(row(case=case, metric="linear weight MiB", ours=linear_bytes(eng) / 2**20,
                         baseline=linear_bytes(bf16) / 2**20, higher_is_better=False,
                         baseline_name="bf16 engine (with a bf16 dequant cache fp8 holds 1.5x)"))
@@ -159,7 +159,7 @@ def vllm_rows(cfg_name: str, hf, repeats: int) -> list[dict]:
     refit, same weights, interleaved (best of ``repeats``)."""
     named = [(n, p.detach()) for n, p in hf.named_parameters()]
     nbytes = sum(_nbytes(t) for _, t in named)
-    ours = RolloutEngine(hf.config, max_batch_size=1, max_seq_len=16)
+    ours = RolloutEngine(hf.config, EngineSpec(max_batch_size=1, max_seq_len=16))
     refit_from_model(ours, named)
     theirs = start_vllm(hf, max_batch_size=1, max_seq_len=16)
     reloads: list[float] = []

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (SMALL, VLLM, best_interleaved, format_table, goal_line, moe_model, parse_args,  # noqa: E402
                      report, rl_job, row, speedup, start_vllm, vllm_unavailable, warm)
 
-from hybridrl.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams  # noqa: E402
 
 PROMPT_LEN = 32
 DENSE = {
@@ -81,7 +81,8 @@ def bench_case(name: str, hf, batch: int, new_tokens: int, repeats: int, *,
     """tokens/s of ours vs HF ``generate`` per cache (and vs ``vllm`` when given, an engine
     holding ``hf``'s weights), ``batch`` prompts of PROMPT_LEN tokens, every row ``new_tokens``."""
     dtype = next(hf.parameters()).dtype
-    engine = RolloutEngine(hf.config, max_batch_size=batch, max_seq_len=PROMPT_LEN + new_tokens, dtype=dtype)
+    engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=batch, max_seq_len=PROMPT_LEN + new_tokens,
+                                                 dtype=dtype))
     engine.load_weights(hf.named_parameters())
     prompts = torch.randint(0, hf.config.vocab_size, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0)
@@ -135,7 +136,7 @@ def bench_rl_job(dtype: torch.dtype, repeats: int, *, warm_calls: int = 0, with_
     hf, prompts, params = rl_job(dtype)
     n, new_tokens = params.n, params.max_tokens
     max_batch, max_seq = len(prompts) * n, max(map(len, prompts)) + new_tokens
-    engine = RolloutEngine(hf.config, max_batch_size=max_batch, max_seq_len=max_seq, dtype=dtype)
+    engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=max_batch, max_seq_len=max_seq, dtype=dtype))
     engine.load_weights(hf.named_parameters())
     rows = [p for p in prompts for _ in range(n)]
     S = max(map(len, rows))
@@ -166,7 +167,7 @@ def bench_compaction(dtype: torch.dtype, repeats: int, new_tokens: int) -> list[
     init, vocab 64, stop token 1: geometric lengths), compaction on vs off, same seeds."""
     hf = dense_model("tiny", dtype)
     prompts = [torch.randint(2, 64, (32,)).tolist() for _ in range(64)]
-    engine = RolloutEngine(hf.config, max_batch_size=64, max_seq_len=32 + new_tokens, dtype=dtype)
+    engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=64, max_seq_len=32 + new_tokens, dtype=dtype))
     engine.load_weights(hf.named_parameters())
     params = [SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(1,), seed=i) for i in range(64)]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
+    "EngineSpec": "hybridrl.rollout",
     "RolloutEngine": "hybridrl.rollout",
     "SamplingParams": "hybridrl.rollout",
     "Rollouts": "hybridrl.rollout",

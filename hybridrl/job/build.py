@@ -147,27 +147,27 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
     rollout.refit(model)  # first load = the refit path
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
     return RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
-                  train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0), dp=dp)
+                  train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0),
+                  dp=dp)
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int):
     """The run's rollout engine (``rollout.backend``), sized for this rank's share of a
     step's responses and the longest prompt plus ``rollout.max_tokens``."""
+    from hybridrl.rollout import EngineSpec
+
     r, t = cfg.rollout, cfg.trainer
-    dtype = cfg.model.torch_dtype
-    max_batch = min(cfg.batch.prompts_per_step * r.n // ranks, 256)
-    max_seq = longest_prompt + r.max_tokens
+    spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks, 256),
+                      max_seq_len=longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
+                      quantization=r.quantization)
     if r.backend == "vllm":
         from hybridrl.vllm_backend import VllmEngine
 
-        return VllmEngine(hf_config, max_batch_size=max_batch, max_seq_len=max_seq,
-                          dtype=dtype, device=device, seed=t.seed, quantization=r.quantization,
-                          enforce_eager=r.enforce_eager, free_cache_engine=r.free_cache_engine)
+        return VllmEngine(hf_config, spec, seed=t.seed, enforce_eager=r.enforce_eager,
+                          free_cache_engine=r.free_cache_engine)
     from hybridrl.rollout import RolloutEngine
 
-    return RolloutEngine(hf_config, max_batch_size=max_batch, max_seq_len=max_seq,
-                         dtype=dtype, device=device, quantization=r.quantization, enforce_eager=r.enforce_eager,
-                         record_routing=r.routing_replay)
+    return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay)
 
 
 def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tuple]:

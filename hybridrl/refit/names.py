@@ -26,9 +26,8 @@ from typing import Iterable
 
 import torch
 
-from hybridrl.refit.errors import RefitError, listing
-
-TRAINER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+from hybridrl.refit.errors import RefitError
+from hybridrl.rollout.backend import bucket_problems, describe_problems
 
 
 def check_announced(routes, names: Iterable[str]) -> None:
@@ -56,31 +55,16 @@ def _overlapping(routes, names: set[str]) -> set[str]:
 
 def check_bucket(routes, named: list[tuple[str, torch.Tensor]], written: set[str]
                  ) -> list[tuple[str, torch.Tensor]]:
-    """Validate a whole bucket against ``routes``; return the pairs to load (ignored ones dropped)."""
-    seen, dup, unknown, bad = set(), set(), set(), []
-    kept = []
-    for name, t in named:
-        if name in routes.ignored:
-            continue
-        if name not in routes:
-            unknown.add(name)
-            continue
-        if name in seen or name in written:
-            dup.add(name)
-        seen.add(name)
-        shape = routes[name].shape
-        if tuple(t.shape) != tuple(shape):
-            bad.append(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
-        elif t.dtype not in TRAINER_DTYPES:
-            bad.append(f"{name} dtype {t.dtype} is not a trainer float dtype {TRAINER_DTYPES}")
-        kept.append((name, t))
-    _raise_if("refit bucket", unknown=unknown, duplicate=dup, mismatched=bad)
+    """Validate a whole bucket against ``routes``; return the pairs to load (ignored ones dropped).
+    The checks are the ones both backends share (``rollout/backend.py: bucket_problems``)."""
+    kept, problems = bucket_problems(routes, named, written)
+    _raise_if("refit bucket", **problems)
     return kept
 
 
 def _raise_if(where: str, **problems) -> None:
-    parts = [f"{kind} ({len(v)}): {listing(v)}" for kind, v in problems.items() if v]
-    if parts:
-        raise RefitError(f"{where} rejected, engine unchanged — " + "; ".join(parts)
+    described = describe_problems(problems)
+    if described:
+        raise RefitError(f"{where} rejected, engine unchanged — " + described
                          + "; send each name of engine.expected_weight_names() exactly once "
                          "with the shape of engine.weight_spec(name)")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["RolloutEngine", "SamplingParams", "Rollouts"]
+__all__ = ["EngineSpec", "RolloutEngine", "SamplingParams", "Rollouts"]
 
 _MODULES = {
+    "EngineSpec": "hybridrl.rollout.backend",
     "RolloutEngine": "hybridrl.rollout.engine",
     "SamplingParams": "hybridrl.rollout.sampling_params",
     "Rollouts": "hybridrl.rollout.rollouts",

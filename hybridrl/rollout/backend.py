@@ -1,15 +1,24 @@
-"""The interface a rollout backend implements for the trainer (the built-in
-``RolloutEngine``, ``hybridrl.vllm_backend.VllmEngine``)."""
+"""What both rollout backends (the built-in ``RolloutEngine``,
+``hybridrl.vllm_backend.VllmEngine``) implement and share: the interface the trainer uses
+(``RolloutBackend``), what an engine is built to hold (``EngineSpec``), the weight-update
+bracket and the weights it must be sent (``WeightUpdateBracket``), the validation of a
+bucket of trainer tensors (``bucket_problems``, also refit's), and how ``generate`` turns
+prompts and ``SamplingParams`` into per-sample requests (``expand_requests``)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Protocol
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
 from hybridrl.rollout.rollouts import Rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
+
+TRAINER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""Float dtypes a trainer may send a weight in (the engine casts to its own dtype)."""
 
 
 class RolloutBackend(Protocol):
@@ -29,10 +38,69 @@ class RolloutBackend(Protocol):
     def abort_weight_update(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a rollout engine is built to hold, whichever backend: its capacity (static KV
+    cache / vLLM's ``max_num_seqs`` x ``max_model_len``) and its numerics. Each backend
+    validates ``dtype`` / ``quantization`` against what it supports."""
+
+    max_batch_size: int
+    """rows sampled together (more requests run in chunks of this many)."""
+    max_seq_len: int
+    """prompt + response tokens of one row (responses are capped to fit)."""
+    dtype: torch.dtype = torch.float32
+    """the engine's weight and activation dtype."""
+    device: str | torch.device = "cpu"
+    """``"cuda"`` means the current device when the engine is built."""
+    quantization: str | None = None
+    """None, or a backend's weight quantization ("fp8", ...)."""
+
+    def __post_init__(self):
+        if self.max_batch_size < 1 or self.max_seq_len < 2:
+            raise ValueError(f"EngineSpec: max_batch_size={self.max_batch_size} must be >= 1 and "
+                             f"max_seq_len={self.max_seq_len} >= 2")
+
+    @classmethod
+    def pop_from(cls, spec: "EngineSpec | None", kwargs: dict[str, Any]) -> "EngineSpec":
+        """``spec``, or one built from (and removed from) the spec fields among ``kwargs``
+        (``from_pretrained(path, max_batch_size=..., max_seq_len=..., dtype=...)``)."""
+        fields = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls) if f.name in kwargs}
+        if spec is None:
+            return cls(**fields)
+        if fields:
+            raise TypeError(f"pass either an EngineSpec or its fields, not both (got spec and {sorted(fields)})")
+        return spec
+
+
 class WeightUpdateBracket:
     """``with engine.weight_update(check=...): engine.load_weights(bucket) ...`` for any
     backend with ``begin_weight_update`` / ``finish_weight_update`` / ``abort_weight_update``:
-    finish on a clean exit, abort on an exception."""
+    finish on a clean exit, abort on an exception. Also what a complete update must send
+    (from the backend's route table ``weight_routes`` and its ``dtype``) and
+    ``from_pretrained`` (a first complete update from a checkpoint)."""
+
+    @classmethod
+    def from_pretrained(cls, path: str, spec: EngineSpec | None = None, **kwargs):
+        """Config + safetensors weights of a local Hugging Face checkpoint directory (version 1).
+        ``spec`` or its fields as keywords; the other keywords go to the backend's constructor."""
+        from transformers import AutoConfig
+
+        from hybridrl.rollout.hf_checkpoint import iter_safetensors_dir
+
+        spec = EngineSpec.pop_from(spec, kwargs)
+        engine = cls(AutoConfig.from_pretrained(path, local_files_only=True), spec, **kwargs)
+        engine.load_weights(iter_safetensors_dir(path))
+        return engine
+
+    def expected_weight_names(self) -> set[str]:
+        """Every HF name a complete update writes exactly once (a tied `lm_head.weight` is not one)."""
+        return set(self.weight_routes.expected)
+
+    def weight_spec(self, hf_name: str) -> tuple[torch.Size, torch.dtype]:
+        """(HF shape before fusion, engine dtype) of the tensor the trainer must send for `hf_name`."""
+        if hf_name not in self.weight_routes:
+            raise ValueError(f"weight_spec: {hf_name!r} is not a weight of this rollout model")
+        return self.weight_routes[hf_name].shape, self.dtype
 
     def state_dict(self) -> dict[str, int]:
         """What a resume needs of the engine (its weights come back by refit): the version."""
@@ -54,3 +122,77 @@ class WeightUpdateBracket:
             self.abort_weight_update()
             raise
         self.finish_weight_update(check)
+
+
+def bucket_problems(routes, named_tensors: Iterable[tuple[str, torch.Tensor]], written
+                 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """Judge a whole bucket against a route table before any of it is written: returns the
+    pairs to load (ignored names dropped) and the problems by kind — ``unknown`` names,
+    ``duplicate`` ones (within the bucket or among ``written``), ``mismatched`` HF shapes or
+    non-float dtypes — each empty when fine (``describe_problems`` words them)."""
+    seen, dup, unknown, bad = set(), set(), set(), []
+    kept = []
+    for name, t in named_tensors:
+        if name in routes.ignored:
+            continue
+        if name not in routes:
+            unknown.add(name)
+            continue
+        if name in seen or name in written:
+            dup.add(name)
+        seen.add(name)
+        shape = routes[name].shape
+        if tuple(t.shape) != tuple(shape):
+            bad.append(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
+        elif t.dtype not in TRAINER_DTYPES:
+            bad.append(f"{name} dtype {t.dtype} is not a trainer float dtype {TRAINER_DTYPES}")
+        kept.append((name, t))
+    return kept, {"unknown": unknown, "duplicate": dup, "mismatched": bad}
+
+
+def describe_problems(problems: dict[str, Any]) -> str:
+    """``unknown (2): a, b; duplicate (1): c`` of the non-empty kinds ("" if none)."""
+    return "; ".join(f"{kind} ({len(v)}): {listing(v)}" for kind, v in problems.items() if v)
+
+
+def listing(items, limit: int = 8) -> str:
+    """``a, b, c (+N more)`` for error messages that name offending weights."""
+    items = sorted(map(str, items))
+    head = ", ".join(items[:limit])
+    return head + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def expand_requests(prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                    max_seq_len: int, vocab_size: int) -> list[tuple[list[int], SamplingParams, int, int]]:
+    """``(prompt, params, seed, max_new_tokens)`` of every sample ``generate`` runs, prompt-major
+    (``n`` consecutive rows per prompt); each prompt is checked first."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"generate: got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                         "pass one SamplingParams or one per prompt")
+    samples = []
+    for prompt, p in zip(prompts, params):
+        prompt = [int(t) for t in prompt]
+        check_prompt(prompt, max_seq_len, vocab_size)
+        max_new = min(p.max_tokens, max_seq_len - len(prompt))
+        for j in range(p.n):
+            samples.append((prompt, p, request_seed(p.seed, j), max_new))
+    return samples
+
+
+def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
+    if not 0 < len(prompt) < max_seq_len:
+        raise ValueError(f"generate: prompt length {len(prompt)} must be in [1, max_seq_len="
+                         f"{max_seq_len}); shorten the prompt or raise max_seq_len"
+                         + (" (an empty prompt: did the tokenizer encode it to nothing?)" if not prompt else ""))
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"generate: prompt token ids must be in [0, vocab_size={vocab_size})")
+
+
+def request_seed(seed: int | None, j: int) -> int:
+    """Seed of the j-th sample of a request; unseeded requests draw from torch's global RNG,
+    so ``torch.manual_seed`` makes a run reproducible."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,)))
+    return seed if j == 0 else (seed * 1_000_003 + j) % 2**62

@@ -13,14 +13,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.generation import Request, run_batch
-from hybridrl.rollout.hf_checkpoint import iter_safetensors_dir
 from hybridrl.rollout.layers.quantization import get_linear_method
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
-from hybridrl.rollout.backend import WeightUpdateBracket
 from hybridrl.rollout.rollouts import Rollouts, build_rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.weight_routes import WeightRoutes
@@ -34,25 +33,26 @@ class RolloutEngine(WeightUpdateBracket):
     `from_pretrained` or a refit).
     """
 
-    def __init__(self, hf_config: Any, *, max_batch_size: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 quantization: str | None = None, enforce_eager: bool = False, compile_decode: bool = False,
-                 record_routing: bool = False):
-        if max_batch_size < 1 or max_seq_len < 2:
-            raise ValueError(f"RolloutEngine: max_batch_size={max_batch_size} must be >= 1 and "
-                             f"max_seq_len={max_seq_len} >= 2")
+    def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = False,
+                 compile_decode: bool = False, record_routing: bool = False):
+        """``hf_config``: a transformers config (or a checkpoint directory to read it from);
+        ``spec``: capacity and numerics (quantization: None, "fp8", "fp8_block", "mxfp4").
+        ``enforce_eager``: no CUDA graphs; ``compile_decode``: torch.compile the eager decode
+        step; ``record_routing``: record MoE routing for replay in the trainer."""
         if isinstance(hf_config, str):
             from transformers import AutoConfig
             hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
         self.hf_config = hf_config
         self.config = parse_hf_config(hf_config)
-        self.dtype, self.device = dtype, resolve_device(device)
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.spec = spec
+        self.dtype, self.device = spec.dtype, resolve_device(spec.device)
+        self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
-        self.model = DecoderForCausalLM(self.config, get_linear_method(quantization), max_seq_len,
-                                        dtype, self.device)
+        self.model = DecoderForCausalLM(self.config, get_linear_method(spec.quantization), self.max_seq_len,
+                                        self.dtype, self.device)
         # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
-        self.runner = ModelRunner(self.model, max_batch_size, max_seq_len, dtype, self.device, compile_decode)
+        self.runner = ModelRunner(self.model, self.max_batch_size, self.max_seq_len, self.dtype, self.device,
+                                  compile_decode)
         # MoE: record every token's experts for routing replay in the trainer (before any
         # graph capture, so captured decode steps write the record buffers too)
         self.routing_recorder = None
@@ -67,14 +67,6 @@ class RolloutEngine(WeightUpdateBracket):
         # "compaction" row); off only to measure what it buys.
         self.compact_finished_rows = True
         self._use_graphs = self.device.type == "cuda" and not enforce_eager
-
-    @classmethod
-    def from_pretrained(cls, path: str, **kwargs) -> "RolloutEngine":
-        """Config + safetensors weights from a local Hugging Face checkpoint directory."""
-        from transformers import AutoConfig
-        engine = cls(AutoConfig.from_pretrained(path, local_files_only=True), **kwargs)
-        engine.load_weights(iter_safetensors_dir(path))
-        return engine
 
     # ---- weights: the update bracket ------------------------------------------------
     @property
@@ -126,16 +118,6 @@ class RolloutEngine(WeightUpdateBracket):
         return self._weight_version
 
     # ---- weights: what they are ------------------------------------------------------
-    def expected_weight_names(self) -> set[str]:
-        """Every HF name a complete update writes exactly once (a tied `lm_head.weight` is not one)."""
-        return set(self.weight_routes.expected)
-
-    def weight_spec(self, hf_name: str) -> tuple[torch.Size, torch.dtype]:
-        """(HF shape before fusion, engine dtype) of the tensor the trainer must send for `hf_name`."""
-        if hf_name not in self.weight_routes:
-            raise ValueError(f"weight_spec: {hf_name!r} is not a weight of this rollout model")
-        return self.weight_routes[hf_name].shape, self.dtype
-
     def named_derived_caches(self) -> Iterator[tuple[str, DerivedCache]]:
         """Every derived cache (a tensor computed from weights, refreshed in place by an update)."""
         return named_derived_caches(self.model)
@@ -174,26 +156,8 @@ class RolloutEngine(WeightUpdateBracket):
         return rollouts
 
     def _make_requests(self, prompts: list[list[int]], params) -> list[Request]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"generate: got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                             f"pass one SamplingParams or one per prompt")
-        requests = []
-        for prompt, p in zip(prompts, params):
-            prompt = [int(t) for t in prompt]
-            self._check_prompt(prompt)
-            max_new = min(p.max_tokens, self.max_seq_len - len(prompt))
-            for j in range(p.n):
-                requests.append(Request(prompt, p, _request_seed(p.seed, j), max_new))
-        return requests
-
-    def _check_prompt(self, prompt: list[int]) -> None:
-        if not 0 < len(prompt) < self.max_seq_len:
-            raise ValueError(f"generate: prompt length {len(prompt)} must be in [1, max_seq_len="
-                             f"{self.max_seq_len}); shorten the prompt or raise max_seq_len")
-        if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
-            raise ValueError(f"generate: prompt token ids must be in [0, vocab_size={self.config.vocab_size})")
+        return [Request(prompt, p, seed, max_new) for prompt, p, seed, max_new
+                in expand_requests(prompts, params, self.max_seq_len, self.config.vocab_size)]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -205,9 +169,3 @@ def resolve_device(device: str | torch.device) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
-
-def _request_seed(seed: int | None, j: int) -> int:
-    """Seed of the j-th sample of a request; unseeded requests draw from torch's global RNG."""
-    if seed is None:
-        return int(torch.randint(0, 2**62, (1,)))
-    return seed if j == 0 else (seed * 1_000_003 + j) % 2**62

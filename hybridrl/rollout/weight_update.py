@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from hybridrl.rollout.backend import listing
 from hybridrl.rollout.derived import named_derived_caches
 from hybridrl.rollout.layers.fused_moe import FusedExperts
 from hybridrl.rollout.layers.linear import LinearBase
@@ -36,11 +37,6 @@ from hybridrl.rollout.weight_routes import WeightRoutes
 
 class WeightUpdateError(ValueError):
     """A weight update was used out of order or ended incomplete."""
-
-
-def _listing(names: Iterable[str], limit: int = 8) -> str:
-    names = sorted(names)
-    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
 class WeightUpdate:
@@ -92,7 +88,7 @@ class WeightUpdate:
         missing = self.routes.missing(self.written)  # an expected name may arrive as its aliases
         if missing:
             raise WeightUpdateError(f"weight update incomplete: {len(missing)} weights never loaded: "
-                                    f"{_listing(missing)}; weight_version was not advanced; "
+                                    f"{listing(missing)}; weight_version was not advanced; "
                                     "load every name of engine.expected_weight_names()")
         if check is not None:
             check()

@@ -1,8 +1,9 @@
 """vLLM as a second rollout backend (``rollout.backend=vllm``), refit through the same bracket.
 
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine
 
-    engine = VllmEngine(hf_config, max_batch_size=256, max_seq_len=64)   # in-process vLLM
+    engine = VllmEngine(hf_config, EngineSpec(max_batch_size=256, max_seq_len=64))  # in-process vLLM
     refit_from_model(engine, hf_model, verify=True)                     # version 1
     rollouts = engine.generate(prompt_token_ids, SamplingParams(...))
 

@@ -1,6 +1,6 @@
 """VllmEngine: vLLM (in-process) behind the interface the trainer uses on ``RolloutEngine``.
 
-    engine = VllmEngine(hf_config, max_batch_size=256, max_seq_len=64)
+    engine = VllmEngine(hf_config, EngineSpec(max_batch_size=256, max_seq_len=64))
     refit_from_model(engine, model, verify=True)      # the same refit protocol, unchanged
     ro = engine.generate(prompt_token_ids, SamplingParams(temperature=1.0, n=8, seed=0))
     ro.logprobs, ro.weight_version
@@ -29,10 +29,14 @@ built-in engine's:
   the weights for the trainer's update; ``finish_weight_update`` wakes the weights before the
   reload and the KV cache after it (sleep.py).
 
+**Starting vLLM** (launch.py): the platform check, a config-only model directory and the KV
+cache size from the ``EngineSpec``. **Requests and outputs** (requests.py): one tagged
+``n=1`` vLLM request per sample, outputs back as ``Rollouts``.
+
 **Sampling log-probs**: ``log_softmax(logits / T)`` of the full vocabulary *before* top-k /
 top-p — our definition (docs/interfaces.md) — and ``log_softmax(logits)`` for greedy rows:
 vLLM reports the sampled token's raw logit (``logprobs_mode="raw_logits"``) and a logits
-processor records each row's ``logsumexp(logits / T)`` (full_vocab_logprobs.py).
+processor records each row's ``logsumexp(logits / T)`` (full_vocab_logprobs.py, requests.py).
 
 **Process state**: vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 Every call into it restores torch's thread count, ``torch.set_num_threads`` and the global
@@ -45,27 +49,26 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from hybridrl.rollout.backend import WeightUpdateBracket
-from hybridrl.rollout.rollouts import Rollouts, build_rollouts
+from hybridrl.rollout.backend import (EngineSpec, WeightUpdateBracket, bucket_problems, describe_problems,
+                                      expand_requests, listing)
+from hybridrl.rollout.rollouts import Rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.weight_update import WeightUpdateError
 from hybridrl.vllm_backend import full_vocab_logprobs as fvl
 from hybridrl.vllm_backend._import import import_vllm
 from hybridrl.vllm_backend.fp8 import vllm_quantization
 from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state
+from hybridrl.vllm_backend.launch import VLLM_DTYPES, check_platform, kv_cache_bytes, write_config_dir
 from hybridrl.vllm_backend.reload_check import reload_mismatches
+from hybridrl.vllm_backend.requests import rollouts_from_outputs, vllm_request
 from hybridrl.vllm_backend.routes import VllmWeightRoutes
 from hybridrl.vllm_backend.sleep import EngineSleep
 from hybridrl.vllm_backend.state_tensors import derived_tensor_attributes
-
-TRAINER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class VllmEngine(WeightUpdateBracket):
@@ -74,42 +77,41 @@ class VllmEngine(WeightUpdateBracket):
     ``hf_config``: a transformers config (or a checkpoint directory to read it from). The
     engine starts with placeholder weights (``load_format="dummy"``) and ``weight_version``
     0; the first complete update (``load_weights``, ``from_pretrained`` or a refit) makes it 1.
-    ``quantization``: None or "fp8" (vLLM's online per-channel FP8; bf16 / fp16 only).
-    ``free_cache_engine``: :meth:`sleep` frees the KV cache until the next weight update.
+    ``spec``: capacity and numerics; ``spec.quantization``: None or "fp8" (vLLM's online
+    per-channel FP8; bf16 / fp16 only).
     ``enforce_eager``: False captures vLLM's CUDA graphs (CUDA only; CPU always runs eager).
+    ``free_cache_engine``: :meth:`sleep` frees the KV cache until the next weight update.
+    ``kv_cache_memory_bytes``: None sizes the KV cache from the spec (launch.py).
+    ``seed``: vLLM's seed. ``check_reload``: check every reload (reload_check.py).
+    ``llm_kwargs``: passed to ``vllm.LLM`` over ours (e.g. ``enable_prefix_caching``, True here).
     """
 
-    def __init__(self, hf_config: Any, *, max_batch_size: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 quantization: str | None = None, enforce_eager: bool = True, free_cache_engine: bool = False,
-                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, check_reload: bool = True, **llm_kwargs):
-        if max_batch_size < 1 or max_seq_len < 2:
-            raise ValueError(f"VllmEngine: max_batch_size={max_batch_size} must be >= 1 and "
-                             f"max_seq_len={max_seq_len} >= 2")
-        on_cpu = torch.device(device).type == "cpu"
-        vllm_quant = vllm_quantization(quantization, dtype, on_cpu)  # one-line ValueError first
-        if dtype not in _VLLM_DTYPES:
-            raise ValueError(f"VllmEngine: dtype {dtype} not supported; use one of {list(_VLLM_DTYPES)}")
+    def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = True,
+                 free_cache_engine: bool = False, kv_cache_memory_bytes: int | None = None, seed: int = 0,
+                 check_reload: bool = True, **llm_kwargs):
+        on_cpu = torch.device(spec.device).type == "cpu"
+        vllm_quant = vllm_quantization(spec.quantization, spec.dtype, on_cpu)  # one-line ValueError first
+        if spec.dtype not in VLLM_DTYPES:
+            raise ValueError(f"VllmEngine: dtype {spec.dtype} not supported; use one of {list(VLLM_DTYPES)}")
         if isinstance(hf_config, str):
             from transformers import AutoConfig
             hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
-        self.hf_config = hf_config
-        self.dtype, self.device, self.quantization = dtype, torch.device(device), quantization
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.hf_config, self.spec = hf_config, spec
+        self.dtype, self.device, self.quantization = spec.dtype, torch.device(spec.device), spec.quantization
+        self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len
         self.vocab_size = int(hf_config.vocab_size)
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
         self.check_reload = check_reload
         with preserve_environ():
             vllm = import_vllm()
-        self._check_platform()
-        self._config_dir = _write_config_dir(hf_config)
-        kv_bytes = kv_cache_memory_bytes or _kv_cache_bytes(hf_config, max_batch_size, max_seq_len, dtype)
+        check_platform(hf_config, self.device)
+        self._config_dir = write_config_dir(hf_config)
+        kv_bytes = kv_cache_memory_bytes or kv_cache_bytes(hf_config, spec)
         args = dict(model=self._config_dir, skip_tokenizer_init=True, load_format="dummy",
-                    dtype=_VLLM_DTYPES[dtype], max_model_len=max_seq_len, max_num_seqs=max_batch_size,
+                    dtype=VLLM_DTYPES[spec.dtype], max_model_len=spec.max_seq_len, max_num_seqs=spec.max_batch_size,
                     kv_cache_memory_bytes=kv_bytes, seed=seed, enforce_eager=enforce_eager or on_cpu,
                     logprobs_mode="raw_logits", logits_processors=[fvl.processor_class()],
-                    generation_config="vllm", enable_prefix_caching=enable_prefix_caching, disable_log_stats=True,
+                    generation_config="vllm", enable_prefix_caching=True, disable_log_stats=True,
                     # CPU: vLLM refuses sleep mode; its CPU worker ignores sleep / wake_up (sleep.py)
                     enable_sleep_mode=free_cache_engine and not on_cpu)
         if vllm_quant is not None:
@@ -123,24 +125,13 @@ class VllmEngine(WeightUpdateBracket):
             raise
         self._vllm_sampling_params = vllm.SamplingParams
         self.model = self.llm.apply_model(lambda m: m)[0]  # in-process: the live vLLM module
-        self.weight_routes = VllmWeightRoutes(hf_config, self.model, dtype)
+        self.weight_routes = VllmWeightRoutes(hf_config, self.model, self.dtype)
         self.sleep_state = EngineSleep(self.llm, free_cache_engine)
         self._weight_version = 0
         self._staged: dict[str, torch.Tensor] | None = None  # open update: name -> tensor to load
         self._broken: str | None = None  # why the weights vLLM holds cannot be trusted
         self.last_reload_seconds = 0.0
         self._requests = 0  # requests sent so far: each one's tag for the log-prob processor
-
-    @classmethod
-    def from_pretrained(cls, path: str, **kwargs) -> "VllmEngine":
-        """Config + safetensors weights of a local HF checkpoint directory (version 1)."""
-        from transformers import AutoConfig
-
-        from hybridrl.rollout.hf_checkpoint import iter_safetensors_dir
-
-        engine = cls(AutoConfig.from_pretrained(path, local_files_only=True), **kwargs)
-        engine.load_weights(iter_safetensors_dir(path))
-        return engine
 
     def close(self) -> None:
         """Shut vLLM down and remove the config directory (the engine is unusable after)."""
@@ -188,7 +179,7 @@ class VllmEngine(WeightUpdateBracket):
         missing = self.weight_routes.expected - staged.keys()
         if missing:
             raise WeightUpdateError(f"weight update incomplete: {len(missing)} weights never loaded: "
-                                    f"{_listing(missing)}; nothing was written to vLLM and weight_version was "
+                                    f"{listing(missing)}; nothing was written to vLLM and weight_version was "
                                     "not advanced; load every name of engine.expected_weight_names()")
         self.weight_routes.clear_readback()
         try:
@@ -242,51 +233,24 @@ class VllmEngine(WeightUpdateBracket):
         self._staged = None
 
     def _stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        routes, staged = self.weight_routes, self._staged
-        kept, unknown, dup, bad = [], set(), set(), []
-        seen: set[str] = set()
-        for name, t in named_tensors:
-            if name in routes.ignored:
-                continue
-            if name not in routes:
-                unknown.add(name)
-                continue
-            if name in seen or name in staged:
-                dup.add(name)
-            seen.add(name)
-            if tuple(t.shape) != tuple(routes[name].shape):
-                bad.append(f"{name} shape {tuple(t.shape)} != {tuple(routes[name].shape)}")
-            elif t.dtype not in TRAINER_DTYPES:
-                bad.append(f"{name} dtype {t.dtype} is not a float dtype {TRAINER_DTYPES}")
-            kept.append((name, t))
-        problems = [f"{kind} ({len(v)}): {_listing(v)}" for kind, v in
-                    (("unknown", unknown), ("duplicate", dup), ("mismatched", bad)) if v]
-        if problems:
-            raise WeightUpdateError("weight bucket rejected, nothing of it staged — " + "; ".join(problems)
+        kept, problems = bucket_problems(self.weight_routes, named_tensors, self._staged)
+        described = describe_problems(problems)
+        if described:
+            raise WeightUpdateError("weight bucket rejected, nothing of it staged — " + described
                                     + "; send each name of engine.expected_weight_names() once with the "
                                     "shape of engine.weight_spec(name)")
         for name, t in kept:
-            staged[name] = _own(t.detach())
+            self._staged[name] = _own(t.detach())
         return {n for n, _ in kept}
 
     def _check_reload(self, staged: dict[str, torch.Tensor]) -> None:
         """Did vLLM's reload put the sent weights where its kernels read them? (reload_check.py)"""
         bad = reload_mismatches(self.model, self.weight_routes, staged, self.dtype)
         if bad:
-            raise WeightUpdateError(f"vLLM's reload left weights that differ from what was sent: {_listing(bad)}; "
+            raise WeightUpdateError(f"vLLM's reload left weights that differ from what was sent: {listing(bad)}; "
                                     "the engine refuses to generate until a complete weight update succeeds")
 
     # ---- weights: what they are ------------------------------------------------------
-    def expected_weight_names(self) -> set[str]:
-        """Every HF name a complete update writes exactly once (a tied `lm_head.weight` is not one)."""
-        return set(self.weight_routes.expected)
-
-    def weight_spec(self, hf_name: str) -> tuple[torch.Size, torch.dtype]:
-        """(HF shape before fusion, engine dtype) of the tensor the trainer must send for `hf_name`."""
-        if hf_name not in self.weight_routes:
-            raise ValueError(f"weight_spec: {hf_name!r} is not a weight of this rollout model")
-        return self.weight_routes[hf_name].shape, self.dtype
-
     def named_derived_caches(self) -> Iterator[tuple[str, Any]]:
         """None exposed: vLLM's packed GEMM buffers are checked through ``held()`` (read back
         through the layers' own matmuls) and the post-reload check instead."""
@@ -317,88 +281,18 @@ class VllmEngine(WeightUpdateBracket):
             raise WeightUpdateError("generate: a weight update is in progress; finish or abort it first")
         if self._broken is not None:
             raise WeightUpdateError(f"generate: {self._broken}; run a complete weight update (refit) first")
-        params = params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompt_token_ids)
-        if len(params) != len(prompt_token_ids):
-            raise ValueError(f"generate: got {len(params)} SamplingParams for {len(prompt_token_ids)} prompts; "
-                             "pass one SamplingParams or one per prompt")
-        prompts, requests, temperatures = [], [], []
-        for prompt, p in zip(prompt_token_ids, params):
-            prompt = [int(t) for t in prompt]
-            self._check_prompt(prompt)
-            max_new = min(p.max_tokens, self.max_seq_len - len(prompt))
-            for j in range(p.n):
-                prompts.append(prompt)
-                temperatures.append(p.temperature)
-                requests.append(self._vllm_sampling_params(
-                    n=1, temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
-                    max_tokens=max_new, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
-                    seed=_request_seed(p.seed, j), logprobs=0, detokenize=False,
-                    extra_args={fvl.TAG: self._requests + len(requests)}))
+        samples = expand_requests(prompt_token_ids, params or SamplingParams(), self.max_seq_len, self.vocab_size)
+        prompts = [prompt for prompt, _, _, _ in samples]
+        temperatures = [p.temperature for _, p, _, _ in samples]
+        requests = [vllm_request(self._vllm_sampling_params, p, seed, max_new, self._requests + i)
+                    for i, (_, p, seed, max_new) in enumerate(samples)]
         first_tag, self._requests = self._requests, self._requests + len(requests)  # unique across calls
         self.sleep_state.ensure_awake()  # a sleeping engine's scheduler would never run a request
         with preserve_torch_state():
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
             lse = self.llm.collective_rpc(fvl.take_records)[0]
-        return self._rollouts(prompts, outputs, temperatures, lse, first_tag)
-
-    def _rollouts(self, prompts, outputs, temperatures: list[float], lse: dict[tuple[int, int], float],
-                  first_tag: int) -> Rollouts:
-        """Token ids, finish reasons, and log_softmax(logits / T)[token] = raw logit / T -
-        logsumexp(logits / T) of every sampled token (full_vocab_logprobs.py)."""
-        responses, finish, raw, temps, sums = [], [], [], [], []
-        for row, out in enumerate(outputs):
-            tag = first_tag + row
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
-            if c.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished a request with reason {c.finish_reason!r}")
-            missing = [i for i in range(len(tokens)) if (tag, i) not in lse]
-            if missing:
-                raise RuntimeError(f"VllmEngine: no logsumexp recorded for request {row} at positions {missing[:8]}; "
-                                   "the full-vocabulary log-prob bookkeeping lost track of a request")
-            responses.append(tokens)
-            finish.append(c.finish_reason)
-            raw += [c.logprobs[i][t].logprob for i, t in enumerate(tokens)]  # raw logits (logprobs_mode)
-            temps += [temperatures[row]] * len(tokens)
-            sums += [lse[(tag, i)] for i in range(len(tokens))]
-        flat, logprobs, start = fvl.sampled_logprobs(raw, temps, sums), [], 0
-        for tokens in responses:
-            logprobs.append(flat[start:start + len(tokens)])
-            start += len(tokens)
-        return build_rollouts(prompts, responses, logprobs, finish, self.weight_version, self.pad_token_id)
-
-    def _check_prompt(self, prompt: list[int]) -> None:
-        if not 0 < len(prompt) < self.max_seq_len:
-            raise ValueError(f"generate: prompt length {len(prompt)} must be in [1, max_seq_len="
-                             f"{self.max_seq_len}); shorten the prompt or raise max_seq_len"
-                             + (" (an empty prompt: did the tokenizer encode it to nothing?)" if not prompt else ""))
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"generate: prompt token ids must be in [0, vocab_size={self.vocab_size})")
-
-    def _check_platform(self) -> None:
-        """The installed vLLM build must run on ``device``, and (CPU) support the head size:
-        vLLM's CPU attention would otherwise fail only at the first generate."""
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
-        if on_cpu != (self.device.type == "cpu"):
-            raise ValueError(f"VllmEngine(device={str(self.device)!r}): the installed vLLM build runs on "
-                             f"{'CPU' if on_cpu else current_platform.device_name}; install the matching build "
-                             "(docs/vllm.md) or change the device")
-        if on_cpu:
-            try:
-                from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-                sizes = CPUAttentionBackend.get_supported_head_sizes()
-            except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
-                return
-            c = self.hf_config
-            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-            if head_dim not in sizes:
-                raise ValueError(f"VllmEngine: vLLM's CPU attention supports head_dim in {sizes}; this model has "
-                                 f"head_dim={head_dim} (hidden_size {c.hidden_size} / {c.num_attention_heads} heads); "
-                                 "choose sizes giving a supported head_dim or use rollout.backend=builtin")
+        return rollouts_from_outputs(prompts, outputs, temperatures, lse, first_tag, self.weight_version,
+                                     self.pad_token_id)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -407,44 +301,3 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return t.clone()
-
-
-def _request_seed(seed: int | None, j: int) -> int:
-    """Seed of the j-th sample of a request (as the built-in engine derives it); unseeded
-    requests draw from torch's global RNG, so ``torch.manual_seed`` makes a run reproducible."""
-    if seed is None:
-        return int(torch.randint(0, 2**62, (1,)))
-    return seed if j == 0 else (seed * 1_000_003 + j) % 2**62
-
-
-def _write_config_dir(hf_config) -> str:
-    """A directory holding only ``config.json`` (vLLM reads the architecture from it; no
-    tokenizer, no generation config, no weights: they come through the bracket)."""
-    import copy
-
-    config = copy.deepcopy(hf_config)
-    if not getattr(config, "architectures", None):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-        if arch is None:
-            raise ValueError(f"VllmEngine: no causal-LM architecture known for model_type={config.model_type!r}")
-        config.architectures = [arch]
-    path = tempfile.mkdtemp(prefix="hybridrl-vllm-")
-    config.to_json_file(f"{path}/config.json")
-    return path
-
-
-def _kv_cache_bytes(hf_config, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes for ``max_batch_size`` rows of ``max_seq_len`` tokens (the built-in
-    engine's static cache), x2 for vLLM's block rounding and layout padding, >= 16 MiB."""
-    layers = hf_config.num_hidden_layers
-    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    per_token = 2 * layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-    return max(16 << 20, 2 * per_token * max_batch_size * (max_seq_len + 16))
-
-
-def _listing(names: Iterable[str], limit: int = 8) -> str:
-    names = sorted(names)
-    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")

@@ -36,14 +36,14 @@ def refit_memory(rank: int, world: int, port: int, bucket: int, out: str) -> Non
     """Shard, refit this rank's engine from the shards (verify on), record the peak."""
     from hybridrl.distributed.fsdp import shard_model
     from hybridrl.distributed.refit import refit_sharded
-    from hybridrl.rollout import RolloutEngine
+    from hybridrl.rollout import EngineSpec, RolloutEngine
 
     init(rank, world, port)
     model = small_model(hidden=512, vocab=4096, layers=4)  # ~50 MB float32: bucket-bounded vs whole model is clear
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     largest = max(t.numel() * t.element_size() for t in full.values())
     total = sum(t.numel() * t.element_size() for t in full.values())
-    engine = RolloutEngine(model.config, max_batch_size=2, max_seq_len=16)
+    engine = RolloutEngine(model.config, EngineSpec(max_batch_size=2, max_seq_len=16))
     shard_model(model)
     refit_sharded(engine, model, bucket_bytes=bucket, verify=True)  # first load (allocator warm-up)
     with torch.no_grad():

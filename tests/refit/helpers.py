@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 
 VOCAB = 256
 
@@ -41,7 +41,7 @@ def perturb(model, seed: int, scale: float = 0.05) -> None:
 
 
 def engine(cfg, quantization=None, dtype=torch.float32):
-    return RolloutEngine(cfg, max_batch_size=2, max_seq_len=32, dtype=dtype, quantization=quantization)
+    return RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=32, dtype=dtype, quantization=quantization))
 
 
 def inputs(seed: int = 0, batch: int = 2, seq: int = 12):

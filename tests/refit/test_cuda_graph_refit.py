@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridrl.refit import refit_from_model
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 from tests.refit.helpers import hf_model, perturb, qwen2_config
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -42,8 +42,8 @@ def _compare(runner, tokens, positions):
 def test_graph_replay_equals_eager_after_each_refit(quantization):
     cfg = qwen2_config()
     hf = hf_model(cfg).float()
-    eng = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda",
-                        quantization=quantization)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda",
+                                        quantization=quantization))
     eng.load_weights((n, p.detach().cuda()) for n, p in hf.named_parameters())  # captures graphs
     runner = eng.runner
     assert runner.graphs is not None
@@ -64,8 +64,8 @@ def test_refit_only_start_captures_graphs(quantization):
     """No load_weights: the first (verified, CUDA-tensor) refit is the first complete update."""
     cfg = qwen2_config()
     hf = hf_model(cfg).float()
-    eng = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda",
-                        quantization=quantization)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda",
+                                        quantization=quantization))
     refit_from_model(eng, [(n, p.detach().cuda()) for n, p in hf.named_parameters()], verify=True)
     graphs = eng.runner.graphs
     assert graphs is not None, "a refit-only start must capture the decode graphs"

@@ -52,9 +52,9 @@ def _run(device, quantization=None, trainer_delay=0, engine_delay=0):
     if device == "cpu":
         eng = engine(qwen2_config(), quantization)
     else:
-        from hybridrl.rollout import RolloutEngine
-        eng = RolloutEngine(qwen2_config(), max_batch_size=2, max_seq_len=32, device=device,
-                            quantization=quantization)
+        from hybridrl.rollout import EngineSpec, RolloutEngine
+        eng = RolloutEngine(qwen2_config(), EngineSpec(max_batch_size=2, max_seq_len=32, device=device,
+                                                       quantization=quantization))
     if engine_delay:  # a long kernel ahead of every load: the engine's reads of the bucket finish late
         real = eng.load_weights
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model
 
 pytestmark = [pytest.mark.cuda,
@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.cuda,
 def _engines(family="qwen3", seed=0):
     cfg = make_config(family)
     weights = dict(make_hf_model(cfg, seed=seed).named_parameters())
-    graph = RolloutEngine(cfg, max_batch_size=8, max_seq_len=64, device="cuda")
-    eager = RolloutEngine(cfg, max_batch_size=8, max_seq_len=64, device="cuda", enforce_eager=True)
+    graph = RolloutEngine(cfg, EngineSpec(max_batch_size=8, max_seq_len=64, device="cuda"))
+    eager = RolloutEngine(cfg, EngineSpec(max_batch_size=8, max_seq_len=64, device="cuda"), enforce_eager=True)
     graph.load_weights(weights.items())
     eager.load_weights(weights.items())
     assert graph.runner.graphs is not None and eager.runner.graphs is None
@@ -59,7 +59,7 @@ def test_replay_after_in_place_refit_uses_new_weights():
 
 def test_bf16_graph_generate_runs():
     cfg = make_config("llama")
-    engine = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32, device="cuda", dtype=torch.bfloat16)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda"))
     engine.load_weights(make_hf_model(cfg).named_parameters())
     out = engine.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=8, seed=0))
     assert all(len(r) == 8 for r in out.response_token_ids)

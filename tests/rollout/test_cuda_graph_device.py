@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 from hybridrl.rollout.cuda_graph import CudaGraphRunner
 from hybridrl.rollout.engine import resolve_device
 from tests.rollout.conftest import make_config, make_hf_model
@@ -82,7 +82,7 @@ class FakeCuda:
 
 def _cpu_runner():
     cfg = make_config("qwen2")
-    eng = RolloutEngine(cfg, max_batch_size=4, max_seq_len=16)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=16))
     eng.load_weights(make_hf_model(cfg).named_parameters())
     return eng.runner
 
@@ -152,7 +152,7 @@ needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devic
 
 def _graph_engine(device):
     cfg = make_config("qwen2")
-    eng = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32, device=device)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=32, device=device))
     eng.load_weights(make_hf_model(cfg).named_parameters())
     return cfg, eng
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 from hybridrl.rollout.layers import flash_decode
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model
 
@@ -56,7 +56,7 @@ def test_gate(monkeypatch):
 
 def test_absent_package_keeps_the_masked_path():
     cfg = make_config("qwen2")
-    eng = RolloutEngine(cfg, max_batch_size=2, max_seq_len=16)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16))
     assert eng.runner.flash_decode is False
     if flash_decode._kernel() is None:  # the package is absent here: CUDA would fall back too
         assert not flash_decode.usable(torch.device("cuda", 0), torch.bfloat16, 64)
@@ -66,8 +66,8 @@ def test_absent_package_keeps_the_masked_path():
 def test_flash_path_matches_masked_path(monkeypatch, family):
     cfg = make_config(family)
     hf = make_hf_model(cfg)
-    masked = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32)
-    flash = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32)
+    masked = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=32))
+    flash = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=32))
     for eng in (masked, flash):
         eng.load_weights(hf.named_parameters())
     calls = []
@@ -96,7 +96,7 @@ def test_flash_path_matches_masked_path(monkeypatch, family):
 def test_flash_step_does_not_depend_on_kv_len(monkeypatch):
     """What a graph captures (kv_len = max_seq_len) equals the eager step (kv_len = live) bitwise."""
     cfg = make_config("qwen2")
-    eng = RolloutEngine(cfg, max_batch_size=2, max_seq_len=32)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=32))
     eng.load_weights(make_hf_model(cfg).named_parameters())
     monkeypatch.setattr(flash_decode, "_kernel", lambda: reference_flash([]))
     eng.runner.flash_decode = True
@@ -121,7 +121,7 @@ def test_real_flash_decode_in_graphs_matches_sdpa():
     for use in (True, False):
         flash_decode.USE_FLASH_DECODE = use
         try:
-            eng = RolloutEngine(cfg, max_batch_size=4, max_seq_len=64, dtype=torch.bfloat16, device="cuda")
+            eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=64, dtype=torch.bfloat16, device="cuda"))
         finally:
             flash_decode.USE_FLASH_DECODE = True
         eng.load_weights(hf.named_parameters())

@@ -10,13 +10,14 @@ quantization, and an engine forced to capability 8.0 (must load, capture and gen
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybridrl.quant.fp8 import FP8_DTYPE
-from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.rollout.layers import fp8_linear
 from hybridrl.rollout.layers.fp8_linear import Fp8LinearMethod
 from tests.rollout.conftest import make_config, make_hf_model
@@ -67,8 +68,9 @@ def test_fp8_block_holds_one_and_a_half_times_bf16():
                    for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    block = RolloutEngine(cfg, max_batch_size=1, max_seq_len=8, dtype=torch.bfloat16, quantization="fp8_block")
-    bf16 = RolloutEngine(cfg, max_batch_size=1, max_seq_len=8, dtype=torch.bfloat16)
+    block = RolloutEngine(cfg, EngineSpec(max_batch_size=1, max_seq_len=8, dtype=torch.bfloat16,
+                                          quantization="fp8_block"))
+    bf16 = RolloutEngine(cfg, EngineSpec(max_batch_size=1, max_seq_len=8, dtype=torch.bfloat16))
     assert all(m.weight_dequant_cache is not None for m in block.model.modules() if hasattr(m, "weight_dequant_cache"))
     assert 1.48 <= linear_bytes(block) / linear_bytes(bf16) < 1.52  # biases stay bf16; + block scales
 
@@ -146,9 +148,9 @@ def _engines(monkeypatch=None, capability=None):
     hf = make_hf_model(cfg)
     if capability is not None:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    kw = dict(max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda")
-    fp8 = RolloutEngine(cfg, quantization="fp8", **kw)
-    bf16 = RolloutEngine(cfg, **kw)
+    spec = EngineSpec(max_batch_size=4, max_seq_len=32, dtype=torch.bfloat16, device="cuda")
+    fp8 = RolloutEngine(cfg, dataclasses.replace(spec, quantization="fp8"))
+    bf16 = RolloutEngine(cfg, spec)
     for eng in (fp8, bf16):
         eng.load_weights(hf.named_parameters())
     return fp8, bf16

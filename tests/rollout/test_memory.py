@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from tests.rollout.conftest import make_config, make_hf_model
 
 
@@ -27,7 +27,7 @@ def measure_many_calls() -> dict:
     resident memory, and whether any state tensor moved."""
     torch.set_num_threads(1)
     cfg = make_config("llama")
-    engine = RolloutEngine(cfg, max_batch_size=4, max_seq_len=32)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=32))
     engine.load_weights(make_hf_model(cfg).named_parameters())
     addresses = {name: t.data_ptr() for name, t in engine.named_state_tensors()}
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def test_compaction_keeps_rows_exact():
     """Rows finishing early (short max_tokens) get compacted out; the long rows must
     produce exactly what they produce alone (greedy and seeded sampling)."""
     cfg = make_config("qwen2")
-    engine = RolloutEngine(cfg, max_batch_size=8, max_seq_len=48)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=8, max_seq_len=48))
     engine.load_weights(make_hf_model(cfg).named_parameters())
     prompts = [[1 + b, 2 * b + 3, 40 - b][: 1 + b % 3] for b in range(8)]
     for temperature in (0.0, 1.0):
@@ -90,7 +90,7 @@ def test_padded_logits_mask_is_built_at_the_memory_floor(monkeypatch):
     real = model_runner.sdpa_mask
     monkeypatch.setattr(model_runner, "sdpa_mask", lambda m: calls.append(tuple(m.shape)) or real(m))
     cfg = make_config("qwen2")
-    engine = RolloutEngine(cfg, max_batch_size=2, max_seq_len=32)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=32))
     engine.load_weights(make_hf_model(cfg).named_parameters())
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
     right = torch.ones_like(ids)

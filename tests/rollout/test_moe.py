@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from hybridrl.refit import RefitError, refit_from_model
-from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.rollout.layers import fused_moe
 from hybridrl.rollout.layers.fused_moe import fused_experts
 from hybridrl.rollout.model_config import parse_hf_config
@@ -50,8 +50,9 @@ def make_moe_hf_model(cfg, seed: int = 0, dtype=torch.float32, eager_experts: bo
     return model.to(dtype).eval()
 
 
-def moe_engine(cfg, hf=None, **kw):
-    engine = RolloutEngine(cfg, max_batch_size=kw.pop("max_batch_size", 4), max_seq_len=kw.pop("max_seq_len", 64), **kw)
+def moe_engine(cfg, hf=None, *, max_batch_size=4, max_seq_len=64, dtype=torch.float32, quantization=None, **kw):
+    spec = EngineSpec(max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, quantization=quantization)
+    engine = RolloutEngine(cfg, spec, **kw)
     if hf is not None:
         engine.load_weights(hf.named_parameters())
     return engine

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridrl.refit import refit_from_model
-from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.rollout.layers import fused_moe
 from tests.rollout.test_moe import make_moe_config, make_moe_hf_model
 from tests.rollout.test_cuda_graph import _decode_both  # prefill + 5 decode steps on both engines
@@ -39,8 +39,8 @@ def test_dispatch_choice_under_capture(monkeypatch, dtype, fast_grouped, capturi
 
 
 def _engines(cfg, hf, dtype, quantization=None):
-    kw = dict(max_batch_size=4, max_seq_len=64, device="cuda", dtype=dtype, quantization=quantization)
-    graph, eager = RolloutEngine(cfg, **kw), RolloutEngine(cfg, enforce_eager=True, **kw)
+    spec = EngineSpec(max_batch_size=4, max_seq_len=64, dtype=dtype, device="cuda", quantization=quantization)
+    graph, eager = RolloutEngine(cfg, spec), RolloutEngine(cfg, spec, enforce_eager=True)
     for engine in (graph, eager):
         engine.load_weights(hf.named_parameters())
     assert graph.runner.graphs is not None and eager.runner.graphs is None

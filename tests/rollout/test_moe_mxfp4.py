@@ -7,7 +7,7 @@ import torch
 
 from hybridrl.quant import mxfp4
 from hybridrl.refit import RefitError, refit_from_model
-from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.rollout.derived import DerivedCacheError
 from hybridrl.rollout.layers.fused_moe import FusedExperts
 from hybridrl.rollout.layers.quantization import get_linear_method
@@ -165,7 +165,7 @@ def test_per_expert_load_writes_the_same_bits_as_fused():
     cfg = make_moe_config("qwen3_moe")
     hf = make_moe_hf_model(cfg)
     fused = moe_engine(cfg, hf, quantization="mxfp4")
-    split = RolloutEngine(cfg, max_batch_size=2, max_seq_len=32, quantization="mxfp4")
+    split = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=32, quantization="mxfp4"))
     split.load_weights(per_expert_state(hf))
     for a, b in zip(experts_of(fused), experts_of(split)):
         for t in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_dequant"):

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from hybridrl.rollout import RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.rollout.layers import attention, cpu_linear
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model
 
 
-def _engine(cfg, hf, **kw):
-    engine = RolloutEngine(cfg, max_batch_size=kw.pop("max_batch_size", 4), max_seq_len=64, **kw)
+def _engine(cfg, hf, *, max_batch_size=4, dtype=torch.float32, **kw):
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=max_batch_size, max_seq_len=64, dtype=dtype), **kw)
     engine.load_weights(hf.named_parameters())
     return engine
 

@@ -6,12 +6,12 @@ from scipy import stats
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.layers.sampler import SamplingTensors, make_uniforms, sample
 from tests.rollout.conftest import make_config, make_hf_model
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 
 
 def _engine():
     cfg = make_config("qwen3")
-    engine = RolloutEngine(cfg, max_batch_size=8, max_seq_len=48)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=8, max_seq_len=48))
     engine.load_weights(make_hf_model(cfg).named_parameters())
     return engine
 

@@ -5,14 +5,15 @@ import pytest
 import torch
 
 from hybridrl.refit import refit_from_model
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 from hybridrl.rollout.weight_update import WeightUpdateError
 from tests.rollout.conftest import make_config, make_hf_model
 
 
-def _engine(family="qwen2", **kw):
+def _engine(family="qwen2", quantization=None):
     cfg = make_config(family)
-    return cfg, make_hf_model(cfg), RolloutEngine(cfg, max_batch_size=2, max_seq_len=16, **kw)
+    return cfg, make_hf_model(cfg), RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16,
+                                                                  quantization=quantization))
 
 
 def test_bracket_order_is_enforced():
@@ -92,7 +93,7 @@ def test_expected_held_equals_held_after_load(quantization):
     # q, k, v, gate shards of 256, 128, 128, 256 rows: 128-row tiles, so fp8_block applies
     cfg = make_config("qwen2", hidden_size=256, intermediate_size=256)
     hf = make_hf_model(cfg)
-    eng = RolloutEngine(cfg, max_batch_size=2, max_seq_len=16, quantization=quantization)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16, quantization=quantization))
     named = list(hf.named_parameters())
     expected = {n: eng.weight_routes[n].expected_held(t.detach()) for n, t in named if n in eng.weight_routes}
     eng.load_weights(named)

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from hybridrl.rollout import RolloutEngine
+from hybridrl.rollout import EngineSpec, RolloutEngine
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model
 
 
 def test_expected_names_and_specs(family):
     cfg = make_config(family)
     hf = make_hf_model(cfg)
-    engine = RolloutEngine(cfg, max_batch_size=2, max_seq_len=16)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16))
     hf_state = hf.state_dict()
     expected = set(hf_state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     assert engine.expected_weight_names() == expected
@@ -23,7 +23,7 @@ def test_expected_names_and_specs(family):
 
 def test_reload_is_in_place_and_takes_effect():
     cfg = make_config("qwen3")
-    engine = RolloutEngine(cfg, max_batch_size=2, max_seq_len=16)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16))
     engine.load_weights(make_hf_model(cfg, seed=0).named_parameters())
     before = {n: t.data_ptr() for n, t in engine.named_state_tensors()}
     ids, mask = torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.long)
@@ -48,7 +48,7 @@ def test_from_pretrained_sharded_checkpoint(tmp_path):
 
 def test_errors_are_one_line_value_errors():
     cfg = make_config("llama")
-    engine = RolloutEngine(cfg, max_batch_size=2, max_seq_len=16)
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16))
     with pytest.raises(ValueError, match="q_proj"):
         engine.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.randn(3, 3))])
     with pytest.raises(ValueError, match="no slot"):
@@ -56,6 +56,6 @@ def test_errors_are_one_line_value_errors():
     with pytest.raises(ValueError, match="prompt length"):
         engine.generate([list(range(16))])
     with pytest.raises(ValueError, match="quantization"):
-        RolloutEngine(cfg, max_batch_size=2, max_seq_len=16, quantization="int3")
+        RolloutEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16, quantization="int3"))
     with pytest.raises(ValueError, match="model_type"):
-        RolloutEngine({"model_type": "gpt2"}, max_batch_size=2, max_seq_len=16)
+        RolloutEngine({"model_type": "gpt2"}, EngineSpec(max_batch_size=2, max_seq_len=16))

@@ -21,6 +21,7 @@ FAMILIES = {
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_refit_logprobs_and_greedy(family):
+    from hybridrl.rollout import EngineSpec
     from hybridrl.trainer.forward import ForwardOptions, compute_logprobs_entropy
     from hybridrl.vllm_backend import VllmEngine
 
@@ -32,7 +33,7 @@ def test_family_refit_logprobs_and_greedy(family):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    engine = VllmEngine(cfg, max_batch_size=16, max_seq_len=32)
+    engine = VllmEngine(cfg, EngineSpec(max_batch_size=16, max_seq_len=32))
     try:
         assert engine.weight_routes.tied == tied
         refit_from_model(engine, model, verify=True)

@@ -37,10 +37,12 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
-def _engine(cfg, **kwargs):
+def _engine(cfg, quantization=None, **kwargs):
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine
 
-    return VllmEngine(cfg, max_batch_size=16, max_seq_len=64, dtype=torch.bfloat16, device="cuda", **kwargs)
+    spec = EngineSpec(max_batch_size=16, max_seq_len=64, dtype=torch.bfloat16, device="cuda", quantization=quantization)
+    return VllmEngine(cfg, spec, **kwargs)
 
 
 def _rollouts(engine):

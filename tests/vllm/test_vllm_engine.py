@@ -61,11 +61,11 @@ def test_refit_from_perturbed_model(engine, tiny_checkpoint):
 
 
 def test_greedy_equals_builtin_engine(engine, tiny_checkpoint):
-    from hybridrl.rollout import RolloutEngine
+    from hybridrl.rollout import EngineSpec, RolloutEngine
 
     _, tok, model = tiny_checkpoint
     new = perturbed(model, seed=2)
-    builtin = RolloutEngine(new.config, max_batch_size=8, max_seq_len=MAX_SEQ)
+    builtin = RolloutEngine(new.config, EngineSpec(max_batch_size=8, max_seq_len=MAX_SEQ))
     refit_from_model(builtin, new)
     refit_from_model(engine, new)
     prompts = encode(tok)
@@ -361,8 +361,9 @@ def test_unsupported_head_dim_is_rejected_at_construction():
     """vLLM's CPU attention has a fixed head-size list; fail when building, not mid-run."""
     from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
     from hybridrl.config import ModelConfig
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine
 
     cfg = builtin_model(builtin_tokenizer(), ModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, tie_word_embeddings=True)).config
     with pytest.raises(ValueError, match="head_dim=16"):
-        VllmEngine(cfg, max_batch_size=2, max_seq_len=8)
+        VllmEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=8))

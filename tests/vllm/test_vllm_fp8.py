@@ -25,11 +25,12 @@ FP8_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 
 @pytest.fixture(scope="module")
 def fp8_engine(tiny_checkpoint):
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine
 
     _, _, model = tiny_checkpoint
-    eng = VllmEngine(model.config, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ, dtype=torch.bfloat16,
-                     quantization="fp8")
+    eng = VllmEngine(model.config, EngineSpec(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ, dtype=torch.bfloat16,
+                                              quantization="fp8"))
     yield eng
     eng.close()
 
@@ -141,6 +142,7 @@ def test_a_swapped_fp8_shard_is_caught(fp8_engine, tiny_checkpoint, monkeypatch)
 def test_refits_equal_a_fresh_load(fp8_engine, tiny_checkpoint):
     """Refit is the load path run again: after several refits the engine samples exactly what
     an engine loaded once with the final weights samples (same tokens, same log-probs)."""
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine
 
     _, tok, model = tiny_checkpoint
@@ -152,8 +154,8 @@ def test_refits_equal_a_fresh_load(fp8_engine, tiny_checkpoint):
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
     a, a_greedy = fp8_engine.generate(prompts, sampled), fp8_engine.generate(prompts, greedy)
     fp8_engine.close()  # one live vLLM engine per process
-    fresh = VllmEngine(model.config, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ, dtype=torch.bfloat16,
-                       quantization="fp8")
+    fresh = VllmEngine(model.config, EngineSpec(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ, dtype=torch.bfloat16,
+                                                quantization="fp8"))
     try:
         refit_from_model(fresh, final)
         b, b_greedy = fresh.generate(prompts, sampled), fresh.generate(prompts, greedy)
@@ -166,6 +168,7 @@ def test_refits_equal_a_fresh_load(fp8_engine, tiny_checkpoint):
 def test_unsupported_fp8_settings_fail_in_one_line(tiny_checkpoint):
     """Checked before vLLM is built: FP8 needs bf16 / fp16 activations; 128x128 blocks and
     MXFP4 are built-in-engine only."""
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine
 
     _, _, model = tiny_checkpoint
@@ -173,5 +176,5 @@ def test_unsupported_fp8_settings_fail_in_one_line(tiny_checkpoint):
                           ({"quantization": "fp8_block", "dtype": torch.bfloat16}, "not supported by the vLLM backend"),
                           ({"quantization": "mxfp4", "dtype": torch.bfloat16}, "not supported by the vLLM backend")):
         with pytest.raises(ValueError, match=match) as info:
-            VllmEngine(model.config, max_batch_size=2, max_seq_len=8, **kwargs)
+            VllmEngine(model.config, EngineSpec(max_batch_size=2, max_seq_len=8, **kwargs))
         assert "\n" not in str(info.value)

@@ -14,12 +14,13 @@ import torch
 def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
     from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
     from hybridrl.config import ModelConfig
+    from hybridrl.rollout import EngineSpec
     from hybridrl.vllm_backend import VllmEngine, VllmUnavailableError
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # hides an installed vLLM: `import vllm` raises
     cfg = builtin_model(builtin_tokenizer(), ModelConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, tie_word_embeddings=True)).config
     with pytest.raises(VllmUnavailableError) as info:
-        VllmEngine(cfg, max_batch_size=2, max_seq_len=8)
+        VllmEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=8))
     message = str(info.value)
     assert "pip install 'hybridrl[vllm]'" in message and "\n" not in message
     assert isinstance(info.value, ImportError)

@@ -1,0 +1,71 @@
+"""Starting vLLM for an ``EngineSpec``: what it needs before ``vllm.LLM(...)`` is built.
+
+- ``check_platform``: the installed vLLM build must run on the spec's device, and (CPU)
+  support the model's head size, so a mismatch fails at construction, not mid-run.
+- ``write_config_dir``: a directory holding only ``config.json`` (placeholder weights; the
+  real ones come through the weight-update bracket).
+- ``kv_cache_bytes``: the KV cache sized from ``max_batch_size x max_seq_len``, never from
+  free host memory.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from hybridrl.rollout.backend import EngineSpec
+
+VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_platform(hf_config, device: torch.device) -> None:
+    """The installed vLLM build must run on ``device``, and (CPU) support the head size:
+    vLLM's CPU attention would otherwise fail only at the first generate."""
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    if on_cpu != (device.type == "cpu"):
+        raise ValueError(f"VllmEngine(device={str(device)!r}): the installed vLLM build runs on "
+                         f"{'CPU' if on_cpu else current_platform.device_name}; install the matching build "
+                         "(docs/vllm.md) or change the device")
+    if on_cpu:
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+            sizes = CPUAttentionBackend.get_supported_head_sizes()
+        except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
+            return
+        c = hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        if head_dim not in sizes:
+            raise ValueError(f"VllmEngine: vLLM's CPU attention supports head_dim in {sizes}; this model has "
+                             f"head_dim={head_dim} (hidden_size {c.hidden_size} / {c.num_attention_heads} heads); "
+                             "choose sizes giving a supported head_dim or use rollout.backend=builtin")
+
+
+def write_config_dir(hf_config) -> str:
+    """A directory holding only ``config.json`` (vLLM reads the architecture from it; no
+    tokenizer, no generation config, no weights: they come through the bracket)."""
+    import copy
+
+    config = copy.deepcopy(hf_config)
+    if not getattr(config, "architectures", None):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if arch is None:
+            raise ValueError(f"VllmEngine: no causal-LM architecture known for model_type={config.model_type!r}")
+        config.architectures = [arch]
+    path = tempfile.mkdtemp(prefix="hybridrl-vllm-")
+    config.to_json_file(f"{path}/config.json")
+    return path
+
+
+def kv_cache_bytes(hf_config, spec: EngineSpec) -> int:
+    """KV-cache bytes for ``max_batch_size`` rows of ``max_seq_len`` tokens (the built-in
+    engine's static cache), x2 for vLLM's block rounding and layout padding, >= 16 MiB."""
+    layers = hf_config.num_hidden_layers
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_token = 2 * layers * heads * head_dim * torch.tensor([], dtype=spec.dtype).element_size()
+    return max(16 << 20, 2 * per_token * spec.max_batch_size * (spec.max_seq_len + 16))
