@@ -5,26 +5,14 @@ The public names import lazily so that ``import hybridrl`` stays fast and GPU-fr
 
 from __future__ import annotations
 
+from hybridrl.lazy_exports import lazy_exports
+
 __version__ = "0.1.0"
 
-_LAZY = {
-    "EngineSpec": "hybridrl.rollout",
-    "RolloutEngine": "hybridrl.rollout",
-    "SamplingParams": "hybridrl.rollout",
-    "Rollouts": "hybridrl.rollout",
-    "Config": "hybridrl.config",
-    "load_config": "hybridrl.config.io",
-    "train": "hybridrl.job.loop",
-    "refit_from_model": "hybridrl.refit",
-    "refit_session": "hybridrl.refit",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hybridrl' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, {
+    "hybridrl.rollout": ["EngineSpec", "RolloutEngine", "SamplingParams", "Rollouts"],
+    "hybridrl.config": ["Config"],
+    "hybridrl.config.io": ["load_config"],
+    "hybridrl.job.loop": ["train"],
+    "hybridrl.refit": ["refit_from_model", "refit_session"],
+})

@@ -123,27 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
                                ("config", _config, "print the resolved configuration as YAML")):
         sp = sub.add_parser(name, help=helptext, formatter_class=argparse.RawDescriptionHelpFormatter,
                             epilog="overrides: group.key=value, groups and keys:\n" + help_text())
-        sp.add_argument("--config", help="YAML file with groups of keys")
-        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200 algo.kl.coef=0")
+        _config_arguments(sp, "trainer.total_steps=200 algo.kl.coef=0")
         sp.set_defaults(fn=fn)
     ev = sub.add_parser("eval", help="greedy accuracy, pass@k and maj@k of a local checkpoint on held-out prompts",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="e.g. hybridrl eval --model runs/default/checkpoint data.val_files=[val.jsonl] "
                                "reward.functions=gsm8k --k 8 --out samples.jsonl")
     ev.add_argument("--model", required=True, help="local HF checkpoint directory")
-    ev.add_argument("--config", help="YAML file with groups of keys")
     ev.add_argument("--k", type=int, default=None, help="samples per prompt for pass@k / maj@k (eval.k)")
     ev.add_argument("--out", help="write one JSON line per prompt (greedy and sampled responses, scores)")
-    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.val_files=[val.jsonl]")
+    _config_arguments(ev, "data.val_files=[val.jsonl]")
     ev.set_defaults(fn=_eval)
     pl = sub.add_parser("plan", help="per-device memory of a (data-parallel) job, from the real sharding code",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="e.g. hybridrl plan --shape qwen2.5-7b launcher.nnodes=8 launcher.nproc_per_node=8 "
                                "model.dtype=bfloat16 --device-gib 80")
-    pl.add_argument("--config", help="YAML file with groups of keys")
     pl.add_argument("--shape", help="a built-in model shape instead of model.path: qwen2.5-0.5b | qwen2.5-7b | qwen2.5-32b")
     pl.add_argument("--device-gib", type=float, default=None, help="device memory to check the plan against")
-    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. launcher.nproc_per_node=8")
+    _config_arguments(pl, "launcher.nproc_per_node=8")
     pl.set_defaults(fn=_plan)
     g = sub.add_parser("generate", help="sample from a local HF checkpoint with the built-in engine")
     g.add_argument("--model", required=True, help="local HF checkpoint directory")
@@ -153,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompts", nargs="+")
     g.set_defaults(fn=_generate)
     return p
+
+
+def _config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """``--config FILE`` and the dotted overrides every config-reading command takes."""
+    parser.add_argument("--config", help="YAML file with groups of keys")
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
 
 
 def main(argv: list[str] | None = None) -> int:

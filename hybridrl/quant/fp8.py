@@ -104,10 +104,7 @@ def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, b
 
 def _quantize_native(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: bool) -> bool:
     """The fused CPU kernel, if it applies (CPU, fp32/bf16 source, unit column stride)."""
-    if (src.dtype not in (torch.float32, torch.bfloat16) or not scale.is_contiguous()
-            or not native.rows_ok(src, weight, scale)):
-        return False
-    lib = native.kernels()
+    lib = native.library_for(src, weight, scale) if scale.is_contiguous() else None
     if lib is None:
         return False
     n_rows, n_cols = src.shape
@@ -123,10 +120,7 @@ def _quantize_native(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 
 def _dequantize_native(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: bool) -> bool:
     """The fused CPU kernel, if it applies (CPU, e4m3fn, fp32/bf16 output, unit column stride)."""
-    if (weight.dtype != FP8_DTYPE or out.dtype not in (torch.float32, torch.bfloat16) or not scale.is_contiguous()
-            or not native.rows_ok(weight, scale, out)):
-        return False
-    lib = native.kernels()
+    lib = native.library_for(out, weight, scale) if weight.dtype == FP8_DTYPE and scale.is_contiguous() else None
     if lib is None:
         return False
     n_rows, n_cols = weight.shape

@@ -147,9 +147,7 @@ def quantize_(src: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> 
 def _quantize_native(src: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> bool:
     """The fused CPU kernel on ``[rows, K]`` / ``[rows, K/2]`` / ``[rows, K/32]`` views, if it
     applies (CPU, float32/bfloat16 source, unit column stride)."""
-    if src.dtype not in (torch.float32, torch.bfloat16) or not native.rows_ok(src, blocks, scales):
-        return False
-    lib = native.kernels()
+    lib = native.library_for(src, blocks, scales)
     if lib is None:
         return False
     n_rows, k = src.shape
@@ -161,9 +159,7 @@ def _quantize_native(src: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
 
 def _dequantize_native(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool:
     """The fused CPU kernel on row views, if it applies (CPU, float32/bfloat16 output, unit column stride)."""
-    if out.dtype not in (torch.float32, torch.bfloat16) or not native.rows_ok(blocks, scales, out):
-        return False
-    lib = native.kernels()
+    lib = native.library_for(out, blocks, scales)
     if lib is None:
         return False
     n_rows, k = out.shape

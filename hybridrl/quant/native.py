@@ -179,6 +179,15 @@ def _load(cc: str, target: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
 
 
+def library_for(float_tensor: torch.Tensor, *tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernel library if a kernel applies to these tensors, else None (the torch path):
+    ``float_tensor`` (the source or output) is float32 or bfloat16, and every tensor passes
+    :func:`rows_ok`."""
+    if float_tensor.dtype not in (torch.float32, torch.bfloat16) or not rows_ok(float_tensor, *tensors):
+        return None
+    return kernels()
+
+
 def rows_ok(*tensors: torch.Tensor) -> bool:
     """The kernels read raw CPU pointers row by row: every tensor on CPU, unit column
     stride, and rows that do not overlap (a broadcast view has row stride 0)."""

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineSpec", "RolloutEngine", "SamplingParams", "Rollouts"]
+from hybridrl.lazy_exports import lazy_exports
 
-_MODULES = {
-    "EngineSpec": "hybridrl.rollout.backend",
-    "RolloutEngine": "hybridrl.rollout.engine",
-    "SamplingParams": "hybridrl.rollout.sampling_params",
-    "Rollouts": "hybridrl.rollout.rollouts",
-}
-
-
-def __getattr__(name: str):
-    if name in _MODULES:
-        import importlib
-
-        return getattr(importlib.import_module(_MODULES[name]), name)
-    raise AttributeError(f"module 'hybridrl.rollout' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, {
+    "hybridrl.rollout.backend": ["EngineSpec"],
+    "hybridrl.rollout.engine": ["RolloutEngine"],
+    "hybridrl.rollout.sampling_params": ["SamplingParams"],
+    "hybridrl.rollout.rollouts": ["Rollouts"],
+})

@@ -13,19 +13,9 @@ until a ``VllmEngine`` is built. See docs/vllm.md.
 
 from __future__ import annotations
 
-__all__ = ["VllmEngine", "VllmUnavailableError", "vllm_available", "INSTALL_HINT"]
+from hybridrl.lazy_exports import lazy_exports
 
-_MODULES = {
-    "VllmEngine": "hybridrl.vllm_backend.engine",
-    "VllmUnavailableError": "hybridrl.vllm_backend._import",
-    "vllm_available": "hybridrl.vllm_backend._import",
-    "INSTALL_HINT": "hybridrl.vllm_backend._import",
-}
-
-
-def __getattr__(name: str):
-    if name in _MODULES:
-        import importlib
-
-        return getattr(importlib.import_module(_MODULES[name]), name)
-    raise AttributeError(f"module 'hybridrl.vllm_backend' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, {
+    "hybridrl.vllm_backend.engine": ["VllmEngine"],
+    "hybridrl.vllm_backend._import": ["VllmUnavailableError", "vllm_available", "INSTALL_HINT"],
+})
