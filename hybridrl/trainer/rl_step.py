@@ -233,7 +233,7 @@ class RLStep:
                 ref_log_prob=sb.tensors["ref_log_prob"], response_mask=ro.response_mask, kl_ctrl=self.kl_ctrl,
                 kind=a.kl.estimator)
             metrics.update({f"actor/{k}": float(v) for k, v in kl_m.items()})
-        sb.values = self.critic.values(sb.tensors) if self.critic is not None else None
+        sb.values = self.critic.values(sb.update_batch()) if self.critic is not None else None
         baselines = None
         if a.advantage.estimator == "remax":
             greedy = greedy_scores(self.rollout, self.scorer, self.train_set.subset(sb.batch_idx))
@@ -259,7 +259,7 @@ class RLStep:
         if self.algo.dapo.overlong_filter:
             mask, truncated = algos.mask_truncated_responses(mask, finish_reasons=ro.finish_reasons)
             metrics["batch/truncated_masked"] = float(truncated.float().mean())
-        sb.tensors["response_mask"] = mask
+        sb.loss_mask = mask
         return metrics
 
     def update(self, sb: StepBatch) -> dict[str, float]:
@@ -273,7 +273,7 @@ class RLStep:
                 keep = keep[: self.shape.responses]
         if len(keep) == 0:
             return metrics
-        kept = {k: v[keep] for k, v in sb.tensors.items()}
+        kept = sb.update_batch(keep)
         ranks = self.dp.world_size if self.dp is not None else 1  # each rank steps on its share
         metrics.update(self.actor.update(kept, mini_batch_size=min(self.shape.mini_batch_size // ranks, len(keep)),
                                          epochs=self.shape.epochs))

@@ -56,14 +56,15 @@ def test_actor_gradient_equals_float64_reference(tmp_path, shared_prefix, mode):
         step.corrections(sb)
         # a tiny policy often scores all-zero (no signal); the update path does not care where
         # the advantages come from, so give every row a fresh random one over its response
-        mask = sb.tensors["response_mask"]
+        mask = sb.loss_mask
         sb.tensors["advantages"] = torch.randn(mask.shape[0], 1, dtype=torch.float64).float() * mask
         actor = step.actor
         actor.optimizer.step = lambda *a, **k: None  # keep the weights: compare the gradient only
-        actor._mini_batch_step(dict(sb.tensors))
+        batch = sb.update_batch()
+        actor._mini_batch_step(dict(batch))
         ours = torch.cat([p.grad.flatten() for p in actor.model.parameters()]).double()
         actor.model.zero_grad(set_to_none=True)
-        _reference_loss(actor.model, sb.tensors, mode).backward()
+        _reference_loss(actor.model, batch, mode).backward()
         ref = torch.cat([p.grad.flatten() for p in actor.model.parameters()]).double()
         assert ref.norm() > 0
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6 * float(ref.abs().max()))
