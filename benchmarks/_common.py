@@ -165,19 +165,41 @@ def moe_model(seed: int = 0, dtype=None, **overrides):
 # ---- TRL (the `bench` extra): the baseline side of step.py and learning.py ----------------
 def trl_side_inputs(cfg, run, script: str):
     """TRL's inputs for a comparison with ``run``: a fresh model of the run's built-in
-    architecture (same seed, float32), the train prompts as a text ``Dataset`` (checked to
-    tokenize exactly as ours) and the exact-match reward in TRL's signature."""
-    import torch
+    architecture (same seed, float32), the train prompts as a text ``Dataset`` (checked,
+    through TRL's own prompt tokenization, to give exactly our prompt ids) and the
+    exact-match reward in TRL's signature.
+
+    TRL tokenizes text prompts with ``add_special_tokens=True``; the char tokenizer's
+    post-processor prepends ``<bos>`` there, so the texts are the bare prompt texts (a
+    ``<bos>`` in the text would give ``[bos, bos, ...]``). A tokenizer that adds no BOS of
+    its own gets it in the text instead; whichever candidate matches every prompt is used."""
+    from types import SimpleNamespace
+
     from datasets import Dataset
+    from trl import GRPOTrainer
 
     from hybridrl.rewards.registry import exact_match
     from hybridrl.job.model_factory import builtin_model
 
+    def trl_prompt_ids(texts: list[str]) -> list[list[int]]:
+        # GRPOTrainer's own _tokenize_prompts, unbound, on a stand-in holding the one
+        # attribute it reads for text prompts
+        ids = GRPOTrainer._tokenize_prompts(SimpleNamespace(processing_class=tok), list(texts))[0]
+        return [list(x) for x in ids]
+
     m, tok, prompts = cfg.model, run.tokenizer, run.step.train_set
     model = builtin_model(tok, dataclasses.replace(m, dtype="float32"), seed=cfg.trainer.seed)
-    texts = [tok.bos_token + p for p in prompts.prompt_texts]
-    if tok(texts[0], add_special_tokens=False)["input_ids"] != prompts.prompts[0]:
-        raise RuntimeError(f"{script}: TRL's prompt tokenization differs from ours; fix the prompt texts")
+    ours = [list(p) for p in prompts.prompts]
+    candidates = [list(prompts.prompt_texts)]
+    if tok.bos_token is not None:
+        candidates.append([tok.bos_token + p for p in prompts.prompt_texts])
+    for texts in candidates:
+        if trl_prompt_ids(texts) == ours:
+            break
+    else:
+        got = trl_prompt_ids(candidates[0][:1])[0]
+        raise RuntimeError(f"{script}: TRL's prompt tokenization differs from ours (first prompt "
+                           f"{prompts.prompt_texts[0]!r}: TRL {got}, ours {ours[0]}); fix the prompt texts")
     data = Dataset.from_dict({"prompt": texts, "answer": list(prompts.answers)})
 
     def exact_match_reward(completions, answer, **_):

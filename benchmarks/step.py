@@ -18,12 +18,17 @@ Matched:
     ``per_device_train_batch_size = P*N``, gradient_accumulation_steps 1,
     steps_per_generation 1, num_iterations 1).
   * sampling: temperature 1, no top-k / top-p, the same max new tokens, stop at eos.
-  * prompts: TRL gets ``"<bos>" + text``, which tokenizes to exactly our prompt ids (checked).
+  * prompts: TRL gets the prompt texts; its own tokenization (``_tokenize_prompts``, the
+    char tokenizer prepends ``<bos>``) gives exactly our prompt ids (checked, every prompt).
   * reward: ``hybridrl.rewards.exact_match`` on the decoded response (special tokens skipped).
   * loss: PPO clip 0.2/0.2, token-mean over the batch (TRL ``loss_type="dapo"``), group-std
     advantages (``scale_rewards="group"``), no KL (ours kl_coef 0, TRL ``beta=0``);
     AdamW lr 2e-4, betas (0.9, 0.99), no weight decay, grad clip 1.0, constant LR.
   * threads: ``torch.set_num_threads(--threads)`` for the whole process.
+  * no gradient checkpointing on either side (TRL's config defaults it to on; a user of a
+    model this small turns it off); neither side uses torch.compile. Each row's
+    ``baseline_name`` says what TRL ran with (version, checkpointing, compile, attention,
+    generator), read off the trainer at run time.
 
 Differs (by design of each framework):
   * rollout: ours is the built-in engine (paged KV cache, continuous batching); TRL calls
@@ -64,7 +69,19 @@ from hybridrl.config.io import build_config  # noqa: E402
 
 WARMUP_STEPS = 1
 OURS_PHASES = ("rollout", "reward", "log_probs", "advantages", "update", "refit")
-TRL_NAME = "trl GRPOTrainer"
+
+
+def trl_baseline_name(trainer) -> str:
+    """What TRL ran with, read off the trainer after it trained (for each row's ``baseline_name``):
+    its version, gradient checkpointing, torch.compile, the attention kernel, the generator."""
+    import trl
+
+    args, model = trainer.args, trainer.model
+    return (f"TRL {trl.__version__} GRPOTrainer, gradient checkpointing "
+            f"{'on' if getattr(model, 'is_gradient_checkpointing', args.gradient_checkpointing) else 'off'}, "
+            f"{'torch.compile' if args.torch_compile else 'eager'}, "
+            f"{getattr(model.config, '_attn_implementation', None) or 'default'} attention, "
+            f"{'vLLM' if args.use_vllm else 'HF generate'}")
 
 
 def bench_config(*, prompts: int, n: int, max_tokens: int, threads: int, output_dir: str,
@@ -157,6 +174,7 @@ def build_trl(cfg: Config, run, *, steps: int, output_dir: str, after_step):
         mask_truncated_completions=False, learning_rate=cfg.optim.lr, adam_beta1=cfg.optim.betas[0],
         adam_beta2=cfg.optim.betas[1], weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip,
         lr_scheduler_type="constant", warmup_steps=0, log_completions=False, disable_dropout=True, disable_tqdm=True,
+        gradient_checkpointing=False,  # TRL's default is True: it would recompute every layer in the update
     )
     records: list[dict[str, float]] = []
     acc: dict[str, float] = {}
@@ -216,6 +234,7 @@ def main() -> None:
           f"{steps} steps per side ({WARMUP_STEPS} warm-up), same initial weights: {same}", flush=True)
     trainer.train()
     ours.close()
+    trl_name = trl_baseline_name(trainer)
 
     o, b = ours.steps[WARMUP_STEPS:], trl_steps[WARMUP_STEPS:]
     if not o or len(o) != len(b):
@@ -223,10 +242,10 @@ def main() -> None:
                          f"{steps - WARMUP_STEPS} each")
     med = {side: {k: median([s[k] for s in recs]) for k in recs[0]} for side, recs in (("ours", o), ("trl", b))}
     case = f"{prompts}x{n} T={args.max_tokens}"
-    rows = [row(case=case, metric=f"{k} s", ours=med["ours"][k], baseline=med["trl"][k], baseline_name=TRL_NAME,
+    rows = [row(case=case, metric=f"{k} s", ours=med["ours"][k], baseline=med["trl"][k], baseline_name=trl_name,
                 higher_is_better=False) for k in ("step", "rollout", "reward", "update")]
     rows.append(row(case=case, metric="best step s", ours=min(s["step"] for s in o),
-                    baseline=min(s["step"] for s in b), baseline_name=TRL_NAME, higher_is_better=False))
+                    baseline=min(s["step"] for s in b), baseline_name=trl_name, higher_is_better=False))
     report(rows, args.json)
     mo, mt = med["ours"], med["trl"]
     print(f"ours, median s: " + ", ".join(f"{p} {mo[p]:.3f}" for p in OURS_PHASES)

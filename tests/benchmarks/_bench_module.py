@@ -1,5 +1,6 @@
 """Import a script from ``benchmarks/`` as a module (it is not a package), with the folder
-on ``sys.path`` only while it loads so its ``from _common import ...`` resolves."""
+on ``sys.path`` only while it loads so its ``from _common import ...`` resolves; registered
+in ``sys.modules`` as ``bench_<name>``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ def load_bench(name: str):
     try:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses (and pickling) look the module up by name
         spec.loader.exec_module(module)
         return module
     finally:

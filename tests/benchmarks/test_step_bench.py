@@ -33,3 +33,33 @@ def test_rows_table_and_json(tmp_path):
     common.write_json(str(path), rows)
     loaded = json.loads(path.read_text())["rows"]
     assert [set(r) for r in loaded] == [set(common.ROW_KEYS)] * 2
+
+
+def test_trl_side_runs_without_gradient_checkpointing_and_says_so(tmp_path):
+    """The TRL baseline, tiny, two interleaved steps: gradient checkpointing is off (TRL's
+    config defaults it to on) and the rows' baseline name says what TRL ran with."""
+    import pytest
+
+    pytest.importorskip("trl", reason="trl not installed (the bench/test extra): no TRL baseline to build")
+    pytest.importorskip("datasets", reason="datasets not installed: no TRL dataset")
+    import trl
+
+    step = load_bench("step")
+    tiny = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 64}
+    cfg = step.bench_config(prompts=2, n=2, max_tokens=4, threads=1, output_dir=str(tmp_path), model=tiny,
+                            data={"train_size": 64, "eval_size": 8})
+    ours = step.OursSide(cfg)
+    try:
+        trainer, records, model = step.build_trl(cfg, ours.run, steps=2, output_dir=str(tmp_path),
+                                                 after_step=ours.step)
+        assert trainer.args.gradient_checkpointing is False
+        assert step._same_weights(ours.run.policy, model)
+        trainer.train()
+    finally:
+        ours.close()
+    assert len(records) == 2 and len(ours.steps) == 2  # interleaved: one of ours after each TRL step
+    assert not model.is_gradient_checkpointing
+    name = step.trl_baseline_name(trainer)
+    assert name == (f"TRL {trl.__version__} GRPOTrainer, gradient checkpointing off, eager, "
+                    f"{model.config._attn_implementation} attention, HF generate")
