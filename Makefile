@@ -34,10 +34,13 @@ run: install
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Every benchmark once (--quick; BENCH_ARGS="--full", "--only masks,packing", ...), then one
+# table of that run: bench_out/README_table.md (benchmarks/report.py).
+BENCH_ARGS ?=
+
 bench: install
-	mkdir -p bench_out
 	$(BIN)/pip install -e ".[bench]"
-	for b in benchmarks/[a-z]*.py; do $(BIN)/python $$b --quick --json bench_out/$$(basename $$b .py).json || exit 1; done
+	$(BIN)/python benchmarks/report.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

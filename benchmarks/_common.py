@@ -94,16 +94,41 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, rows: list[dict]) -> None:
+def write_json(path: str, rows: list[dict], error: str | None = None) -> None:
+    """``{"machine": {...}, "load": {"before", "after"}, "rows": [...]}`` (plus ``"error"``
+    when given) to ``path``, atomically (a reader never sees half a file). ``machine`` and
+    ``load`` are measured in this process (``_machine.py``); ``rows`` keep the row format."""
+    import os
+    import sys
+    from pathlib import Path
+
     for r in rows:
         missing = set(ROW_KEYS) - set(r)
         assert not missing, f"benchmark row {r} lacks {sorted(missing)}"
-    with open(path, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+    try:
+        import _machine
+    except ModuleNotFoundError:  # imported from outside benchmarks/ (the tests)
+        here = str(Path(__file__).resolve().parent)
+        sys.path.insert(0, here)
+        try:
+            import _machine
+        finally:
+            sys.path.remove(here)
+    try:
+        machine = _machine.stamp()
+    except Exception as e:  # noqa: BLE001 - the rows matter more than the stamp
+        machine = {"stamp_error": f"{type(e).__name__}: {e}"}
+    data = {"machine": machine, "load": _machine.load(), "rows": rows}
+    if error is not None:
+        data["error"] = error
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def report(rows: list[dict], json_path: str | None) -> None:
-    """Print the table and, when asked, write the JSON file."""
+    """Print the table and, when asked, write the JSON file (with the machine stamp and load)."""
     print(format_table(rows))
     if json_path:
         write_json(json_path, rows)

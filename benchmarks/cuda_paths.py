@@ -25,7 +25,6 @@ leaves what was measured).
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -36,7 +35,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, row  # noqa: E402
+from _common import format_table, row, write_json  # noqa: E402
 
 from hybridrl.refit import refit_from_model
 from hybridrl.rollout import EngineSpec, RolloutEngine
@@ -131,14 +130,8 @@ def bench_long_context(hf, named, device, repeats) -> list[dict]:
 
 
 def _write(path: str | None, rows: list[dict], error: str | None = None) -> None:
-    if not path:
-        return
-    data = {"rows": rows}
-    if error is not None:
-        data["error"] = error
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    if path:
+        write_json(path, rows, error=error)  # atomic, with the machine stamp and load
 
 
 def main() -> None:
