@@ -12,7 +12,7 @@ import torch
 
 from hybridrl.vllm_backend import vllm_available
 
-from _bench_module import load_bench
+from _bench_module import in_fresh_process, load_bench
 
 TINY_MOE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
@@ -90,7 +90,9 @@ def test_vllm_missing_is_one_line(monkeypatch):
 
 @pytest.mark.slow  # three vLLM engines (~10 s each)
 @needs_vllm
-def test_vllm_rows():
+def test_vllm_rows(request):
+    if in_fresh_process(request.node.nodeid):  # in-process vLLM: see _bench_module.in_fresh_process
+        return
     rollout, refit, common = load_bench("rollout"), load_bench("refit"), load_bench("_common")
     assert common.vllm_unavailable() is None
     rows = rollout.bench_rl_job(torch.float32, 1, warm_calls=1, with_vllm=True)
