@@ -352,15 +352,11 @@ class PlainVllm:
                                  use_tqdm=False)
 
     def close(self) -> None:
-        import contextlib
         import shutil
 
-        from hybridrl.vllm_backend.isolation import preserve_torch_state
+        from hybridrl.vllm_backend.isolation import shutdown_llm
 
-        llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            with contextlib.suppress(Exception), preserve_torch_state():
-                llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(self.__dict__.pop("llm", None))
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -62,7 +62,7 @@ from hybridrl.rollout.weight_update import WeightUpdateError
 from hybridrl.vllm_backend import full_vocab_logprobs as fvl
 from hybridrl.vllm_backend._import import import_vllm
 from hybridrl.vllm_backend.fp8 import vllm_quantization
-from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state
+from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state, shutdown_llm
 from hybridrl.vllm_backend.launch import VLLM_DTYPES, check_platform, kv_cache_bytes, write_config_dir
 from hybridrl.vllm_backend.reload_check import reload_mismatches
 from hybridrl.vllm_backend.requests import rollouts_from_outputs, vllm_request
@@ -135,10 +135,7 @@ class VllmEngine(WeightUpdateBracket):
 
     def close(self) -> None:
         """Shut vLLM down and remove the config directory (the engine is unusable after)."""
-        llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            with contextlib.suppress(Exception), preserve_torch_state():
-                llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(self.__dict__.pop("llm", None))
         shutil.rmtree(self._config_dir, ignore_errors=True)
 
     def __del__(self):

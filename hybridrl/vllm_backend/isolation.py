@@ -81,3 +81,12 @@ def preserve_environ(keep_prefix: str = "VLLM_") -> Iterator[None]:
                 os.environ[key] = before[key]
             else:
                 del os.environ[key]
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an in-process ``vllm.LLM``'s engine core (best effort: a half-built engine may
+    lack parts), keeping the caller's torch state."""
+    if llm is None:
+        return
+    with contextlib.suppress(Exception), preserve_torch_state():
+        llm.llm_engine.engine_core.shutdown()
