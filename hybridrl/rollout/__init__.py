@@ -9,4 +9,5 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "hybridrl.rollout.engine": ["RolloutEngine"],
     "hybridrl.rollout.sampling_params": ["SamplingParams"],
     "hybridrl.rollout.rollouts": ["Rollouts"],
+    "hybridrl.rollout.requests": ["RequestOutput", "StepOutput"],
 })

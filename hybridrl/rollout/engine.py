@@ -1,5 +1,11 @@
 """RolloutEngine: the public face of the built-in rollout engine (see docs/interfaces.md).
 
+Requests (``requests.py``): ``add_request`` / ``step`` / ``abort`` over the continuous-
+batching scheduler (``scheduler.py``); ``generate`` is a loop over them. A weight update
+waits for the step in flight (one lock), holds every in-flight request while it is open
+(``step`` refuses; ``add_request`` queues), and after the commit the requests continue
+(their KV recomputed with the new weights, or kept: ``kv_on_refit``).
+
 Weights change only through the engine's own weight-update bracket (``weight_update.py``):
 ``begin_weight_update()`` -> ``load_weights(bucket)``* -> ``finish_weight_update()``. The
 engine is the only writer of ``weight_version`` (+1 per complete update) and captures its
@@ -9,21 +15,28 @@ CUDA graphs at the first complete update, whichever path it came through (a firs
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
-from hybridrl.rollout.generation import Request, run_batch
 from hybridrl.rollout.layers.quantization import get_linear_method
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
-from hybridrl.rollout.rollouts import Rollouts, build_rollouts
+from hybridrl.rollout.requests import RequestOutput, StepOutput
+from hybridrl.rollout.rollouts import Rollouts, rollouts_from_outputs
 from hybridrl.rollout.sampling_params import SamplingParams
+from hybridrl.rollout.scheduler import Scheduler
 from hybridrl.rollout.weight_routes import WeightRoutes
-from hybridrl.rollout.weight_update import WeightUpdate
+from hybridrl.rollout.weight_update import WeightUpdate, WeightUpdateError
+
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 
 
 class RolloutEngine(WeightUpdateBracket):
@@ -34,11 +47,16 @@ class RolloutEngine(WeightUpdateBracket):
     """
 
     def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = False,
-                 compile_decode: bool = False, record_routing: bool = False):
+                 compile_decode: bool = False, record_routing: bool = False, kv_on_refit: str = "recompute",
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         """``hf_config``: a transformers config (or a checkpoint directory to read it from);
         ``spec``: capacity and numerics (quantization: None, "fp8", "fp8_block", "mxfp4").
         ``enforce_eager``: no CUDA graphs; ``compile_decode``: torch.compile the eager decode
-        step; ``record_routing``: record MoE routing for replay in the trainer."""
+        step; ``record_routing``: record MoE routing for replay in the trainer.
+        ``kv_on_refit``: in-flight requests after a weight update: "recompute" their KV
+        (exact) or "keep" it (approximate); ``max_prefill_tokens``: new prompt tokens
+        prefilled per step; ``prefix_cache_bytes``: budget of retained conversation KV."""
         if isinstance(hf_config, str):
             from transformers import AutoConfig
             hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
@@ -63,10 +81,12 @@ class RolloutEngine(WeightUpdateBracket):
         self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
         self._update = WeightUpdate(self.model, self.weight_routes)
         self._weight_version = 0  # written only by _commit_weight_update
-        # Drop finished rows from the decode batch (measured in benchmarks/rollout.py,
-        # "compaction" row); off only to measure what it buys.
-        self.compact_finished_rows = True
         self._use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.scheduler = Scheduler(self.runner, self.config.vocab_size, max_prefill_tokens=max_prefill_tokens,
+                                   prefix_cache_bytes=prefix_cache_bytes, kv_on_refit=kv_on_refit)
+        # one step or one bracket call at a time: a weight update waits for the step in flight
+        self._lock = threading.Lock()
+        self._generate_calls = itertools.count()
 
     # ---- weights: the update bracket ------------------------------------------------
     @property
@@ -80,8 +100,10 @@ class RolloutEngine(WeightUpdateBracket):
         return self._update.is_open
 
     def begin_weight_update(self) -> None:
-        """Open an update: every linear back in loading layout, in place. Raises if one is open."""
-        self._update.begin()
+        """Open an update: every linear back in loading layout, in place. Raises if one is open.
+        Waits for a step in flight; in-flight requests hold until the update closes."""
+        with self._lock:
+            self._update.begin()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF-named tensors -> in-place writes through each parameter's `weight_loader`.
@@ -101,15 +123,19 @@ class RolloutEngine(WeightUpdateBracket):
         pass: `weight_version` += 1 (returned) and, the first time, CUDA-graph capture.
         On any error the update is closed and nothing is committed.
         """
-        self._update.finish(check)
-        return self._commit_weight_update()
+        with self._lock:
+            self._update.finish(check)
+            return self._commit_weight_update()
 
     def abort_weight_update(self) -> None:
-        """Close an open update without committing (layouts and caches made consistent)."""
-        self._update.abort()
+        """Close an open update without committing (layouts and caches made consistent);
+        held requests continue with the weights they had."""
+        with self._lock:
+            self._update.abort()
 
     def _commit_weight_update(self) -> int:
         self._weight_version += 1
+        self.scheduler.on_weights_changed(self._weight_version)
         # Graphs capture real weights' kernels (the warm-up runs them), so they wait for the
         # first complete update; later updates write in place and keep every captured address.
         if self._use_graphs and self.runner.graphs is None:
@@ -136,28 +162,70 @@ class RolloutEngine(WeightUpdateBracket):
                              f"{self.max_seq_len}; build the engine with a larger max_seq_len")
         return self.runner.logits(input_ids.to(self.device), attention_mask.to(self.device))
 
+    # ---- requests --------------------------------------------------------------------
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None, *,
+                    parent: str | None = None, retain: bool = False) -> None:
+        """Queue one sample (``params.n == 1``). ``parent``: the id of a finished, retained
+        request whose prompt + response ``token_ids`` extends (its KV is reused); ``retain``:
+        keep this request's KV after it finishes for a continuation. Allowed during a
+        weight update (it waits in the queue)."""
+        with self._lock:
+            self.scheduler.add(request_id, token_ids, params or SamplingParams(), parent=parent, retain=retain)
+
+    def step(self) -> StepOutput:
+        """One decode step of every running request, then admission of waiting ones."""
+        with self._lock:
+            if self._update.is_open:
+                raise WeightUpdateError("step: a weight update is in progress; in-flight requests hold until "
+                                        "finish_weight_update() or abort_weight_update()")
+            if self._weight_version == 0:
+                raise WeightUpdateError("step: the engine has no weights yet; load_weights() or refit first")
+            return self.scheduler.step()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a waiting or running request: its output so far (finish_reason "abort"), or
+        None if no such request is waiting or running (e.g. it already finished)."""
+        with self._lock:
+            return self.scheduler.abort(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Free the retained KV of a finished request (its conversation ends)."""
+        with self._lock:
+            return self.scheduler.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def kv_on_refit(self) -> str:
+        return self.scheduler.kv_on_refit
+
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> Rollouts:
-        """Sample a response for every prompt (n per prompt); see `Rollouts` for the layout."""
-        requests = self._make_requests(prompt_token_ids, params or SamplingParams())
-        cpu = self.device.type == "cpu"
-        sync_every, compact_at = (1, 7 / 8) if cpu else (8, 1 / 2)
-        if not self.compact_finished_rows:
-            compact_at = 0.0
-        results = []
-        for i in range(0, len(requests), self.max_batch_size):
-            chunk = requests[i:i + self.max_batch_size]
-            results += run_batch(self.runner, chunk, self.config.vocab_size, sync_every, compact_at)
-        rollouts = build_rollouts([r.prompt for r in requests], [t for t, _, _ in results],
-                                  [lp for _, lp, _ in results], [f for _, _, f in results],
-                                  self.weight_version, self.pad_token_id)
-        if self.routing_recorder is not None:
-            rollouts.routed_experts = self.routing_recorder.take(rollouts)
-        return rollouts
+        """Sample a response for every prompt (n per prompt); see `Rollouts` for the layout.
+        A loop of ``add_request`` + ``step``; requests added by others progress meanwhile."""
+        samples = expand_requests(prompt_token_ids, params or SamplingParams(), self.max_seq_len,
+                                  self.config.vocab_size)
+        call = next(self._generate_calls)
+        ids = [f"generate-{call}-{i}" for i in range(len(samples))]
+        for rid, (prompt, p, seed, _) in zip(ids, samples):
+            self.add_request(rid, prompt, _one_sample(p, seed))
+        outputs = self.run_until_finished(ids)
+        return rollouts_from_outputs([outputs[i] for i in ids], self.pad_token_id)
 
-    def _make_requests(self, prompts: list[list[int]], params) -> list[Request]:
-        return [Request(prompt, p, seed, max_new) for prompt, p, seed, max_new
-                in expand_requests(prompts, params, self.max_seq_len, self.config.vocab_size)]
+    def run_until_finished(self, request_ids: list[str]) -> dict[str, RequestOutput]:
+        """Step until every one of ``request_ids`` finished; their outputs by id."""
+        pending, outputs = set(request_ids), {}
+        while pending:
+            for r in self.step().finished:
+                if r.request_id in pending:
+                    pending.discard(r.request_id)
+                    outputs[r.request_id] = r
+        return outputs
+
+
+def _one_sample(p: SamplingParams, seed: int) -> SamplingParams:
+    return p if p.n == 1 and p.seed == seed else dataclasses.replace(p, n=1, seed=seed)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

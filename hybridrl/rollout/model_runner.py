@@ -40,17 +40,38 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self, batch_sizes)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, row_start: int = 0) -> torch.Tensor:
         """Right-padded prompts input_ids [B, S], lengths [B] -> next-token logits [B, V] float32.
 
-        Writes the prompts' k/v into cache rows [0, B), slots [0, S).
+        Writes the prompts' k/v into cache rows [row_start, row_start + B), slots [0, S).
         """
         B, S = input_ids.shape
         positions = self.slot_ids[:S].expand(B, S)
         cos, sin = self.model.model.rotary_emb.tables(positions)
-        ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, row_start=row_start)
         hidden = self.model(input_ids, ctx)
         last = hidden[self.rows[:B], lengths - 1]  # (B, hidden)
+        return self.model.compute_logits(last).float()
+
+    @torch.inference_mode()
+    def extend(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+               row_start: int) -> torch.Tensor:
+        """New tokens after cached prefixes -> next-token logits [B, V] float32.
+
+        input_ids [B, C] right-padded; row b's cache row ``row_start + b`` already holds
+        slots [0, starts[b]) and its lengths[b] new tokens go to slots starts[b] onwards.
+        Pad queries sit past their row's end (clamped to the last slot): what they write
+        there is overwritten before any valid query reads it.
+        """
+        B, C = input_ids.shape
+        positions = (starts.view(B, 1) + self.slot_ids[:C].view(1, C)).clamp_(max=self.max_seq_len - 1)
+        T = int((starts + lengths).max())
+        mask = (self.slot_ids[:T].view(1, 1, T) <= positions.view(B, C, 1)).view(B, 1, C, T)
+        cos, sin = self.model.model.rotary_emb.tables(positions)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, attn_mask=mask,
+                             kv_len=T, row_start=row_start, extend=True)
+        hidden = self.model(input_ids, ctx)
+        last = hidden[self.rows[:B], lengths - 1]
         return self.model.compute_logits(last).float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,

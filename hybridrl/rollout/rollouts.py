@@ -29,8 +29,34 @@ class Rollouts:
     """[B, L] float32, sampling log-probs on response tokens, 0 elsewhere."""
     prompt_lengths: list[int]
     weight_version: int
+    """the oldest weight version any response token was sampled with (all of them, when no
+    refit happened during the generation)."""
     routed_experts: torch.Tensor | None = None
     """MoE with routing record: [B, L, n_moe_layers, k] int16 expert ids per fed token, -1 = none."""
+    token_versions: torch.Tensor | None = None
+    """[B, L] long: the weight version that sampled each response token, -1 elsewhere."""
+
+    def response_versions(self) -> set[int]:
+        """Every weight version that sampled a token of these rollouts."""
+        if self.token_versions is None:
+            return {self.weight_version}
+        return set(self.token_versions[self.response_mask.bool()].unique().tolist())
+
+
+def rollouts_from_outputs(outputs, pad_token_id: int = 0) -> Rollouts:
+    """Finished ``RequestOutput``s (one row each, in order) -> ``Rollouts`` with per-token versions
+    (and the routing record when the outputs carry one)."""
+    versions = [o.token_versions for o in outputs]
+    oldest = min((min(v) for v in versions if v), default=0)
+    ro = build_rollouts([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
+                        [o.logprobs for o in outputs], [o.finish_reason for o in outputs], oldest, pad_token_id)
+    tv = torch.full_like(ro.input_ids, -1)
+    tv[ro.response_mask.bool()] = torch.tensor([x for v in versions for x in v], dtype=torch.long)
+    ro.token_versions = tv
+    if outputs and outputs[0].routed_experts is not None:
+        from hybridrl.rollout.routing import stack_routing
+        ro.routed_experts = stack_routing([o.routed_experts for o in outputs], ro.input_ids.shape[1])
+    return ro
 
 
 def build_rollouts(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],

@@ -13,7 +13,7 @@ Engine half::
 
     recorder = enable_routing_record(engine)     # before the first weight update on CUDA
     rollouts = engine.generate(prompts, params)
-    routed = recorder.take(rollouts)             # [B, L, n_moe_layers, k] int16, -1 = none
+    routed = rollouts.routed_experts             # [B, L, n_moe_layers, k] int16, -1 = none
 
 ``routed[b, t, l, j]`` is the j-th expert (router order: descending probability) chosen for
 token ``rollouts.input_ids[b, t]`` in the l-th MoE layer (``config.moe_layers[l]``), when the
@@ -22,10 +22,12 @@ token but the last (the last is sampled, never fed). -1 there and at padding.
 
 How it is recorded: a decode step's ids are copied into a static per-layer buffer
 ``[max_batch_size, k]`` (so a captured CUDA graph writes it on every replay: enable before
-capture, i.e. before the first complete weight update), and the generation loop scatters
-them to ``(row_map, position)`` after each step (no host sync; one transfer per batch at
-the end). Prefill ids are kept by reference (prefill is eager). Cost: one ``[B, k]`` copy
-per MoE layer per step, and ``B * (S + steps) * layers * k`` int16 on the device per batch.
+capture, i.e. before the first complete weight update), and the scheduler scatters them
+into a per-row record that mirrors the KV cache (row, slot) after each step (no host
+sync). Prefill ids are kept by reference (prefill is eager). A finished request's row is
+read out once (``RequestOutput.routed_experts``); a continued conversation inherits its
+parent's record with the retained prefix. Cost: one ``[B, k]`` copy per MoE layer per
+step, and ``max_batch_size * max_seq_len * layers * k`` int16 on the device.
 
 Trainer half: :func:`replay_routing` (see its docstring for the exact rule).
 """
@@ -41,9 +43,15 @@ from hybridrl.rollout.models.moe import ROUTING_DTYPE, SparseMoeBlock
 
 
 class RoutingRecorder:
-    """Collects per-token top-k expert ids of every MoE layer during ``engine.generate``."""
+    """Per cache row, the top-k expert ids of every token fed through each MoE layer.
 
-    def __init__(self, blocks: list[SparseMoeBlock], max_batch_size: int):
+    ``record [max_rows, max_seq_len, n_moe_layers, k]`` int16 on the engine device mirrors
+    the KV cache's rows and slots: the scheduler calls the hooks below where it writes KV
+    (prefill, extend, decode, a retained prefix copied in, rows moved), and reads a row out
+    when its request leaves. Memory: ``max_rows * max_seq_len * n_moe_layers * k * 2`` bytes.
+    """
+
+    def __init__(self, blocks: list[SparseMoeBlock], max_batch_size: int, max_seq_len: int):
         if not blocks:
             raise ValueError("routing record: the model has no MoE layers")
         self.blocks = sorted(blocks, key=lambda b: b.moe_index)
@@ -51,58 +59,76 @@ class RoutingRecorder:
         for b in self.blocks:
             b.enable_routing_buffer(max_batch_size)
         self.enabled = True
-        self._results: list[torch.Tensor] = []
-        self._out: torch.Tensor | None = None
-        self._prompt_lens: list[int] = []
+        device = self.blocks[0].routing_buffer.device
+        self.record = torch.full((max_batch_size, max_seq_len, len(self.blocks), self.top_k), -1,
+                                 dtype=ROUTING_DTYPE, device=device)
+        self._arange = torch.arange(max_batch_size, device=device)
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
 
-    # -- called by the generation loop (hybridrl/rollout/generation.py) ----------------------
-    def begin_batch(self, prompt_lens: list[int], steps: int, device: torch.device) -> None:
-        B, S = len(prompt_lens), max(prompt_lens)
-        self._out = torch.full((B, S + steps, self.num_layers, self.top_k), -1, dtype=ROUTING_DTYPE, device=device)
-        self._prompt_lens = list(prompt_lens)
+    # -- called by the scheduler (hybridrl/rollout/scheduler.py) --------------------------------
+    def begin_prefill(self) -> None:
         for b in self.blocks:
             b.record_prefill, b.last_routing = True, None
 
-    def after_prefill(self, src_rows: torch.Tensor | None, S: int) -> None:
-        """Prefill ran U distinct prompts ``[U, S]``; ``src_rows[b]`` is request b's prefill row."""
-        ids = torch.stack([b.last_routing.view(-1, S, self.top_k) for b in self.blocks], dim=2)  # (U, S, n, k)
-        if src_rows is not None:
-            ids = ids.index_select(0, src_rows)
-        self._out[:, :S].copy_(ids)
+    def _prefill_ids(self, B: int, S: int) -> torch.Tensor:
+        ids = torch.stack([b.last_routing.view(B, S, self.top_k) for b in self.blocks], dim=2)  # (B, S, n, k)
         for b in self.blocks:
             b.record_prefill, b.last_routing = False, None
+        return ids
 
-    def after_decode(self, row_map: torch.Tensor, positions: torch.Tensor) -> None:
-        """A decode step fed row i's token at ``positions[i]``; it belongs to request ``row_map[i]``."""
-        B = row_map.shape[0]
-        ids = torch.stack([b.routing_buffer[:B] for b in self.blocks], dim=1)  # (B, n, k)
-        self._out[row_map, positions] = ids
+    def after_prefill(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, U: int, S: int) -> None:
+        """A prefill ran ``U`` distinct prompts ``[U, S]``; row ``dst_rows[i]`` holds prompt ``src_rows[i]``."""
+        self.record[dst_rows, :S] = self._prefill_ids(U, S).index_select(0, src_rows).to(ROUTING_DTYPE)
 
-    def end_batch(self, response_lens: list[int]) -> None:
-        out = self._out.cpu()  # one transfer per batch
-        for b, (p, n) in enumerate(zip(self._prompt_lens, response_lens)):
-            r = out[b, :p + n].clone()
-            r[p + n - 1:] = -1  # the last token was sampled, never fed through the model
-            self._results.append(r)
-        self._out = None
+    def after_extend(self, row_start: int, positions: torch.Tensor) -> None:
+        """An extend fed rows [row_start, row_start + B) their tokens at ``positions [B, C]``."""
+        B, C = positions.shape
+        rows = self._arange[row_start:row_start + B].view(B, 1)
+        self.record[rows, positions] = self._prefill_ids(B, C).to(ROUTING_DTYPE)
+
+    def after_decode(self, n: int, positions: torch.Tensor) -> None:
+        """A decode step fed row i's token at slot ``positions[i]`` (rows [0, n))."""
+        ids = torch.stack([b.routing_buffer[:n] for b in self.blocks], dim=1)  # (n, layers, k)
+        self.record[self._arange[:n], positions] = ids
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+        self.record[dst, :length] = self.record[src, :length]
+
+    def write_row(self, row: int, ids: torch.Tensor) -> None:
+        """Slots [0, len(ids)) of ``row`` <- a retained prefix's record."""
+        self.record[row, :ids.shape[0]].copy_(ids)
+
+    def read_row(self, row: int, length: int) -> torch.Tensor:
+        """Slots [0, length) of ``row`` (a copy, on the device)."""
+        return self.record[row, :length].clone()
+
+    def sequence_record(self, row: int, total: int) -> torch.Tensor:
+        """A finished request's record ``[total, n_moe_layers, k]`` (CPU): prompt + response; the
+        last token was sampled, never fed, so its entry is -1."""
+        out = self.record[row, :total].to("cpu", copy=True)  # never a view of the live record
+        out[total - 1:] = -1
+        return out
 
     # -- for the caller ------------------------------------------------------------------------
     def take(self, rollouts) -> torch.Tensor:
-        """The routing of the last ``generate`` call, aligned with ``rollouts.input_ids``:
-        ``[B, L, n_moe_layers, k]`` int16 (CPU), -1 where not recorded. Clears the record."""
-        results, self._results = self._results, []
-        B, L = rollouts.input_ids.shape
-        if len(results) != B:
-            raise ValueError(f"routing record holds {len(results)} sequences, rollouts have {B}; call take() "
-                             "once after each generate()")
-        out = torch.full((B, L, self.num_layers, self.top_k), -1, dtype=ROUTING_DTYPE)
-        for b, r in enumerate(results):
-            out[b, :r.shape[0]] = r
-        return out
+        """The routing of a ``generate`` call, aligned with ``rollouts.input_ids``:
+        ``[B, L, n_moe_layers, k]`` int16 (CPU), -1 where not recorded (``rollouts.routed_experts``)."""
+        if rollouts.routed_experts is None:
+            raise ValueError("these rollouts carry no routing record; generate them with an engine built "
+                             "with record_routing=True (or enable_routing_record before the first update)")
+        return rollouts.routed_experts
+
+
+def stack_routing(records: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Per-request records ``[len_b, n, k]`` -> ``[B, length, n, k]`` padded with -1."""
+    n, k = records[0].shape[1:]
+    out = torch.full((len(records), length, n, k), -1, dtype=ROUTING_DTYPE)
+    for b, r in enumerate(records):
+        out[b, :r.shape[0]] = r
+    return out
 
 
 def moe_blocks(model: torch.nn.Module) -> list[SparseMoeBlock]:
@@ -118,7 +144,7 @@ def enable_routing_record(engine) -> RoutingRecorder:
     if getattr(engine.runner, "graphs", None) is not None:
         raise ValueError("enable_routing_record: the engine's CUDA graphs are already captured without the "
                          "routing copies; enable the record right after building the engine")
-    model.routing_recorder = RoutingRecorder(moe_blocks(model), engine.max_batch_size)
+    model.routing_recorder = RoutingRecorder(moe_blocks(model), engine.max_batch_size, engine.max_seq_len)
     return model.routing_recorder
 
 

@@ -1,11 +1,12 @@
 """Routing replay: the engine records its per-token expert choices during generate (through
-chunking, shared-prompt prefill and row compaction); transformers replays them."""
+continuous batching: shared-prompt prefill, requests joining and rows moving as others
+finish); transformers replays them."""
 
 import pytest
 import torch
 
 from hybridrl.refit import refit_from_model
-from hybridrl.rollout import SamplingParams, generation
+from hybridrl.rollout import SamplingParams, running_batch
 from hybridrl.rollout.routing import enable_routing_record, hf_routers, replay_routing, routing_of_sequences
 from tests.rollout.test_moe import make_moe_config, make_moe_hf_model, moe_engine
 
@@ -22,17 +23,19 @@ def _recording_engine(family="qwen3_moe", max_batch_size=3, **kw):
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_recorded_routing_is_the_engines_routing_of_every_fed_token(family, monkeypatch):
     cfg, hf, engine, recorder = _recording_engine(family)
-    compactions = []
-    select = generation.BatchState.select
-    monkeypatch.setattr(generation.BatchState, "select", lambda st, rows: (compactions.append(rows), select(st, rows))[1])
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6], [9], [5, 6, 7]]  # 4 requests x n=2 > max_batch_size: 3 chunks
+    moves = []
+    remove = running_batch.RunningBatch.remove
+    monkeypatch.setattr(running_batch.RunningBatch, "remove",
+                        lambda b, rows, *a: (moves.append(rows) if any(r < b.n - len(rows) for r in rows) else None,
+                                             remove(b, rows, *a))[1])
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6], [9], [5, 6, 7]]  # 4 requests x n=2 > max_batch_size: they queue
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=11, n=2)
     first = engine.generate(prompts, params)
     recorder.take(first)
     stop = first.response_token_ids[0][1]  # the same seeds again: row 0 stops at its 2nd token
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=11, n=2, stop_token_ids=(stop,)))
     routed = recorder.take(out)
-    assert compactions, "a batch should have compacted its rows (the row -> request map changes)"
+    assert moves, "a finished row should have been refilled by moving the last one (the row -> request map changes)"
     B, L = out.input_ids.shape
     assert routed.shape == (B, L, len(engine.config.moe_layers), engine.config.num_experts_per_tok)
     _, full = routing_of_sequences(engine, out.input_ids, out.attention_mask)

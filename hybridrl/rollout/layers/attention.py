@@ -2,9 +2,14 @@
 
 Three modes, chosen by the `ForwardContext` the model runner builds once per forward:
 - no cache (`logits()`): attend over the new k/v only (causal, optionally masked);
-- prefill: right-padded prompts; k/v written to cache rows [0, B) at slots [0, S) with
-  one slice copy, attention is plain `is_causal` over the new k/v (a valid token never
-  sees a pad token with right padding, so no S x S mask is built);
+- prefill: right-padded prompts; k/v written to cache rows [r, r + B) (``row_start``) at
+  slots [0, S) with one slice copy, attention is plain `is_causal` over the new k/v (a
+  valid token never sees a pad token with right padding, so no S x S mask is built);
+- extend (a prefill after a cached prefix: a continued conversation): row b's new tokens
+  sit at slots ``positions[b]`` (its cached length onwards); their k/v are written there
+  (an index_put_) and they attend slots [0, T) of their own cache rows (a view) through a
+  bool ``[B, 1, C, T]`` mask (slot <= own position), built by the runner at the floor:
+  one allocation of the mask itself, the size of the attention scores' single head;
 - decode (S == 1): row b writes its k/v at slot `positions[b]` (an index_put_, no
   allocation) and attends over slots [0, kv_len) with a `[B, 1, 1, kv_len]` bool mask
   (True = attend) that hides slots beyond its own position, or no mask when every row
@@ -49,6 +54,10 @@ class ForwardContext:
     """decode: number of cache slots attended."""
     slot: int | None = None
     """decode, eager, every row at the same position: that slot (a slice copy, no index_put_)."""
+    row_start: int = 0
+    """prefill / extend: the batch's rows are cache rows [row_start, row_start + B)."""
+    extend: bool = False
+    """prefill after a cached prefix: k/v go to slots ``positions``; attend [0, kv_len) with attn_mask."""
     cache_seqlens: torch.Tensor | None = None
     """decode through flash-attn: int32 [B], row b attends cache slots [0, cache_seqlens[b])
     (positions + 1, computed on the device); attn_mask and kv_len are then unused."""
@@ -86,14 +95,28 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # (B, H, S, D)
         if ctx.kv_cache is not None and not ctx.is_prefill:
             o = self._decode(q, k, v, ctx)
+        elif ctx.extend:
+            o = self._extend(q, k, v, ctx)
         else:
             if ctx.kv_cache is not None:
-                ctx.kv_cache.k[self.layer_idx, :B, :, :S].copy_(k.transpose(1, 2))
-                ctx.kv_cache.v[self.layer_idx, :B, :, :S].copy_(v.transpose(1, 2))
+                rows = slice(ctx.row_start, ctx.row_start + B)
+                ctx.kv_cache.k[self.layer_idx, rows, :, :S].copy_(k.transpose(1, 2))
+                ctx.kv_cache.v[self.layer_idx, rows, :, :S].copy_(v.transpose(1, 2))
             o = F.scaled_dot_product_attention(
                 q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=ctx.attn_mask,
                 is_causal=ctx.attn_mask is None, enable_gqa=self.enable_gqa)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q [B, H, C, D]; k, v [B, C, KVH, D] of the new tokens -> o [B, H, C, D]."""
+        B = q.shape[0]
+        r0, T = ctx.row_start, ctx.kv_len
+        k_cache, v_cache = ctx.kv_cache.k[self.layer_idx], ctx.kv_cache.v[self.layer_idx]
+        rows = torch.arange(r0, r0 + B, device=q.device).view(B, 1)
+        k_cache[rows, :, ctx.positions] = k  # (B, C) index pairs -> (B, C, KVH, D)
+        v_cache[rows, :, ctx.positions] = v
+        return F.scaled_dot_product_attention(q, k_cache[r0:r0 + B, :, :T], v_cache[r0:r0 + B, :, :T],
+                                              attn_mask=ctx.attn_mask, enable_gqa=self.enable_gqa)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [B, H, 1, D]; k, v [B, 1, KVH, D] -> o [B, H, 1, D].

@@ -1,0 +1,234 @@
+"""The running rows of the request scheduler, on the engine device.
+
+Row i of every buffer (and of the KV cache) belongs to the request ``seqs[i]``; the
+``n`` running rows are always packed at [0, n). Per decode step: one decode forward over
+rows [0, n), one batched sample, a few in-place tensor ops, and one host read of the
+``done`` rows (a sync per step on CUDA; free on CPU). A finished row leaves at once: its
+hole is filled by moving the *last* row into it (``KVCache.copy_rows`` of only the
+moved rows), so joining and leaving cost O(rows moved), never a repack of the batch.
+
+Randomness is per request, never per batch: a request's uniforms ``u[t]`` (one per
+generated token t) come from its own seed (``sampler.make_uniforms``), and the sampler
+reads ``u[count]`` of each row. A request's tokens therefore depend only on (seed, its
+logits), not on which requests share its steps or which row it sits in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hybridrl.rollout.layers.sampler import SamplingTensors, make_uniforms, sample
+from hybridrl.rollout.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's host-side state (the scheduler owns it; the batch holds running ones)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    max_new: int
+    """max_tokens capped so prompt + response fits max_seq_len."""
+    parent: str | None = None
+    retain: bool = False
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version_marks: list[tuple[int, int]] = field(default_factory=list)
+    """(index of the first generated token, weight version) each time the version changed."""
+    cached_tokens: int = 0
+    uniforms: torch.Tensor | None = None
+    """[max_new] float64 (CPU), drawn once from the seed; None for greedy requests."""
+    life_start: int = 0
+    """len(generated) when the request took its current row (tokens of earlier rows are in `generated`)."""
+
+    @property
+    def fed_tokens(self) -> list[int]:
+        """What a prefill of this request runs: prompt + every generated token so far."""
+        return self.prompt + self.generated if self.generated else self.prompt
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    def token_versions(self) -> list[int]:
+        out, marks = [], self.version_marks + [(len(self.generated), -1)]
+        for (start, version), (end, _) in zip(marks, marks[1:]):
+            out += [version] * (end - start)
+        return out
+
+
+class RunningBatch:
+    """Device buffers ``[max_rows, ...]`` of the running rows and the ops on them."""
+
+    def __init__(self, max_rows: int, max_seq_len: int, vocab_size: int, device: torch.device):
+        M, L, dev = max_rows, max_seq_len, device
+        self.max_rows, self.max_seq_len, self.vocab_size, self.device = M, L, vocab_size, dev
+        self.seqs: list[Sequence] = []
+        self.tokens = torch.zeros(M, dtype=torch.long, device=dev)  # last sampled: the next decode input
+        self.positions = torch.zeros(M, dtype=torch.long, device=dev)  # cache slot of `tokens`
+        self.counts = torch.zeros(M, dtype=torch.long, device=dev)  # tokens generated so far
+        self.max_new = torch.zeros(M, dtype=torch.long, device=dev)
+        self.stop_ids = torch.full((M, 1), -1, dtype=torch.long, device=dev)
+        self.temperature = torch.zeros(M, 1, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(M, 1, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(M, 1, dtype=torch.float32, device=dev)
+        self.uniforms = torch.zeros(M, L, dtype=torch.float64, device=dev)
+        self.out_tokens = torch.zeros(M, L, dtype=torch.long, device=dev)
+        self.out_logprobs = torch.zeros(M, L, dtype=torch.float32, device=dev)
+        self.arange = torch.arange(M, device=dev)
+        self.host_positions = np.zeros(M, dtype=np.int64)  # mirror of `positions`: no sync for kv_len
+        self._row_buffers = [self.tokens, self.positions, self.counts, self.max_new, self.stop_ids,
+                             self.temperature, self.top_k, self.top_p, self.uniforms, self.out_tokens,
+                             self.out_logprobs]
+        self._n_greedy = self._n_truncating = self._n_unit_temp = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.seqs)
+
+    def kv_len(self, rows: slice | None = None) -> int:
+        """Slots attended by a decode step of rows [0, n): the longest row's length."""
+        return int(self.host_positions[:self.n].max()) + 1
+
+    # ---- joining -------------------------------------------------------------------
+    def add(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Rows [n, n + k) <- ``seqs`` (their prefill just wrote those cache rows), then sample
+        each one's next token from its prefill ``logits [k, V]``. Returns rows that are done."""
+        r0, k = self.n, len(seqs)
+        rows = slice(r0, r0 + k)
+        width = max(len(s.params.stop_token_ids) for s in seqs)
+        if width > self.stop_ids.shape[1]:
+            self._widen_stop_ids(width)
+        W = self.stop_ids.shape[1]
+        dev = self.device
+        fed = [len(s.prompt) + len(s.generated) for s in seqs]
+        self.positions[rows].copy_(torch.tensor(fed))
+        self.host_positions[r0:r0 + k] = fed
+        self.counts[rows].copy_(torch.tensor([len(s.generated) for s in seqs]))
+        self.max_new[rows].copy_(torch.tensor([s.max_new for s in seqs]))
+        self.stop_ids[rows].copy_(torch.tensor([list(s.params.stop_token_ids) + [-1] * (W - len(s.params.stop_token_ids))
+                                                for s in seqs], dtype=torch.long).view(k, W))
+        self.temperature[rows].copy_(torch.tensor([[s.params.temperature] for s in seqs]))
+        self.top_k[rows].copy_(torch.tensor([[s.params.top_k if s.params.top_k > 0 else self.vocab_size] for s in seqs]))
+        self.top_p[rows].copy_(torch.tensor([[s.params.top_p] for s in seqs]))
+        for i, s in enumerate(seqs):
+            s.life_start = len(s.generated)
+            if not s.greedy:
+                if s.uniforms is None:
+                    s.uniforms = make_uniforms([s.seed], s.max_new, torch.device("cpu"))[0]
+                self.uniforms[r0 + i, :s.max_new].copy_(s.uniforms, non_blocking=dev.type == "cuda")
+            self._count(s, +1)
+        self.seqs += seqs
+        return self._sample_and_record(logits, r0, r0 + k)
+
+    # ---- one decode step -----------------------------------------------------------------
+    def decode_step(self, runner, recorder=None) -> list[int]:
+        """Feed every running row's last token, sample the next; returns the rows now done."""
+        n = self.n
+        pos = self.host_positions[:n]
+        kv_len = int(pos.max()) + 1
+        aligned = bool(pos.min() == kv_len - 1)
+        logits = runner.decode(self.tokens[:n], self.positions[:n], kv_len, aligned)
+        if recorder is not None:
+            recorder.after_decode(n, self.positions[:n])
+        self.positions[:n].add_(1)
+        self.host_positions[:n] += 1
+        return self._sample_and_record(logits, 0, n)
+
+    def _sample_and_record(self, logits: torch.Tensor, r0: int, r1: int) -> list[int]:
+        rows = slice(r0, r1)
+        counts = self.counts[rows]
+        st = self._sampling_tensors(r0, r1, counts)
+        tokens, logprobs = sample(logits, st, 0)
+        ar = self.arange[rows]
+        self.out_tokens[ar, counts] = tokens
+        self.out_logprobs[ar, counts] = logprobs
+        counts.add_(1)
+        self.tokens[rows] = tokens
+        done = (counts >= self.max_new[rows]) | (tokens.unsqueeze(1) == self.stop_ids[rows]).any(dim=1)
+        return [r0 + i for i in done.nonzero().view(-1).tolist()]
+
+    def _sampling_tensors(self, r0: int, r1: int, counts: torch.Tensor) -> SamplingTensors:
+        n, seqs = r1 - r0, self.seqs[r0:r1]
+        if r0 == 0 and r1 == self.n:  # the whole batch: the running counters
+            n_greedy, n_trunc, n_unit = self._n_greedy, self._n_truncating, self._n_unit_temp
+        else:
+            n_greedy = sum(s.greedy for s in seqs)
+            n_trunc = sum(_truncates(s.params) for s in seqs)
+            n_unit = sum(s.params.temperature == 1.0 for s in seqs)
+        all_greedy = n_greedy == n
+        uniforms = (torch.empty(n, 0, device=self.device) if all_greedy
+                    else self.uniforms[self.arange[r0:r1], counts.clamp(max=self.max_seq_len - 1)].view(n, 1))
+        return SamplingTensors(temperature=self.temperature[r0:r1], top_k=self.top_k[r0:r1], top_p=self.top_p[r0:r1],
+                               uniforms=uniforms, all_greedy=all_greedy, use_top_k_top_p=n_trunc > 0,
+                               any_greedy=n_greedy > 0, all_unit_temperature=n_unit == n)
+
+    # ---- leaving -------------------------------------------------------------------------
+    def take_outputs(self, rows: list[int]) -> list[tuple[Sequence, list[int], list[float]]]:
+        """(seq, tokens, log-probs) generated in each row's current life; one host transfer."""
+        idx = torch.tensor(rows, device=self.device)
+        counts = self.counts[idx].tolist()
+        width = max(counts)
+        toks = self.out_tokens[idx, :width].tolist()
+        lps = self.out_logprobs[idx, :width].tolist()
+        out = []
+        for r, c, t, lp in zip(rows, counts, toks, lps):
+            s = self.seqs[r]
+            out.append((s, t[s.life_start:c], lp[s.life_start:c]))
+        return out
+
+    def counts_now(self) -> list[int]:
+        return self.counts[:self.n].tolist()
+
+    def remove(self, rows: list[int], kv_cache, recorder=None) -> None:
+        """Drop ``rows``: the last surviving rows move into their holes (cache + buffers)."""
+        if not rows:
+            return
+        gone = set(rows)
+        n, new_n = self.n, self.n - len(gone)
+        holes = [r for r in sorted(gone) if r < new_n]
+        movers = [r for r in range(new_n, n) if r not in gone]
+        for r in gone:
+            self._count(self.seqs[r], -1)
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            length = int(self.host_positions[movers].max()) + 1
+            kv_cache.copy_rows(dst, src, length)
+            if recorder is not None:
+                recorder.copy_rows(dst, src, length)
+            for buf in self._row_buffers:
+                buf[dst] = buf[src]
+            self.host_positions[holes] = self.host_positions[movers]
+            for h, m in zip(holes, movers):
+                self.seqs[h] = self.seqs[m]
+        del self.seqs[new_n:]
+
+    def clear(self) -> None:
+        for s in self.seqs:
+            self._count(s, -1)
+        self.seqs = []
+
+    def _count(self, s: Sequence, sign: int) -> None:
+        self._n_greedy += sign * s.greedy
+        self._n_truncating += sign * _truncates(s.params)
+        self._n_unit_temp += sign * (s.params.temperature == 1.0)
+
+    def _widen_stop_ids(self, width: int) -> None:
+        wider = torch.full((self.max_rows, width), -1, dtype=torch.long, device=self.device)
+        wider[:, :self.stop_ids.shape[1]] = self.stop_ids
+        i = self._row_buffers.index(self.stop_ids)
+        self.stop_ids = self._row_buffers[i] = wider
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0

@@ -1,0 +1,280 @@
+"""The request scheduler of the built-in engine: continuous batching over the slot KV cache.
+
+``step()`` does, in order:
+
+1. **decode** every running row once (``RunningBatch.decode_step``);
+2. **retire** the rows that finished (stop token or length): their outputs are read once,
+   a ``retain``-ed one leaves its KV in the prefix cache, the rows are freed at once;
+3. **admit** waiting requests FIFO into the free rows, against a per-step prefill budget
+   (``max_prefill_tokens`` new prompt tokens; at least one request per step, so a prompt
+   longer than the budget still runs, alone): fresh prompts in one right-padded prefill
+   (identical prompts — the ``n`` samples of a GRPO group — prefilled once and their rows
+   copied), continued conversations as an *extend* over their parent's retained prefix.
+   Each admitted request samples its first token from its prefill logits; it decodes
+   from the next step on.
+
+So a request that finishes frees its row for a waiting one in the same step, and a
+long answer never holds back the rest (the run-to-completion loop this replaces waited
+for a chunk's longest row). Admission control is rows: each row reserves a whole
+``max_seq_len`` sequence, so an admitted request always runs to its end (nothing to
+preempt for memory).
+
+**Weight updates** (``on_weights_changed``): between steps only (the engine's lock). With
+``kv_on_refit="recompute"`` (default) every running request goes back to the *front* of
+the queue keeping its tokens, and is prefilled again (prompt + generated so far) with the
+new weights — exactly what a request started with the new weights from there would do;
+retained prefixes computed with the old weights are dropped. ``"keep"`` continues with the
+KV the old weights wrote (an approximation, measured in benchmarks/rollout.py); the
+prefixes stay. Either way every token records the version that sampled it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from hybridrl.rollout.backend import check_prompt, request_seed
+from hybridrl.rollout.kv_cache import KVCache
+from hybridrl.rollout.prefix_cache import PrefixCache, PrefixEntry, common_prefix_length
+from hybridrl.rollout.routing import active_recorder
+from hybridrl.rollout.requests import RequestOutput, StepOutput, UnknownRequestError
+from hybridrl.rollout.running_batch import RunningBatch, Sequence
+from hybridrl.rollout.sampling_params import SamplingParams
+
+KV_ON_REFIT = ("recompute", "keep")
+
+
+class Scheduler:
+    def __init__(self, runner, vocab_size: int, *, max_prefill_tokens: int, prefix_cache_bytes: int,
+                 kv_on_refit: str = "recompute"):
+        if kv_on_refit not in KV_ON_REFIT:
+            raise ValueError(f"kv_on_refit={kv_on_refit!r}: use 'recompute' (default, exact) or 'keep'")
+        self.runner, self.kv_cache = runner, runner.kv_cache
+        self.vocab_size, self.max_seq_len = vocab_size, runner.max_seq_len
+        self.max_prefill_tokens, self.kv_on_refit = max_prefill_tokens, kv_on_refit
+        self.batch = RunningBatch(runner.max_batch_size, runner.max_seq_len, vocab_size, runner.device)
+        self.waiting: deque[Sequence] = deque()
+        self.prefixes = PrefixCache(prefix_cache_bytes)
+        self.weight_version = 0
+        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_requests": 0}
+
+    @property
+    def recorder(self):
+        """The MoE routing recorder (routing.py) when one is enabled, else None."""
+        return active_recorder(self.runner.model)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
+            parent: str | None = None, retain: bool = False, front: bool = False) -> None:
+        if params.n != 1:
+            raise ValueError(f"add_request {request_id!r}: SamplingParams.n={params.n}; a request is one sample "
+                             "(add n requests with their own seeds, as generate() does)")
+        if self.find(request_id) is not None:
+            raise ValueError(f"add_request {request_id!r}: a request with this id is already waiting or running")
+        token_ids = [int(t) for t in token_ids]
+        try:
+            check_prompt(token_ids, self.max_seq_len, self.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"add_request {request_id!r}: {str(e).removeprefix('generate: ')}") from None
+        if parent is not None:
+            self._check_parent(request_id, parent)
+        seq = Sequence(request_id, token_ids, params, request_seed(params.seed, 0),
+                       min(params.max_tokens, self.max_seq_len - len(token_ids)), parent=parent, retain=retain)
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
+
+    def _check_parent(self, request_id: str, parent: str) -> None:
+        if parent in self.prefixes or self.prefixes.was_evicted(parent):
+            return
+        if self.find(parent) is not None:
+            raise ValueError(f"add_request {request_id!r}: parent {parent!r} has not finished yet; add the next "
+                             "turn after its output arrived")
+        raise UnknownRequestError(f"add_request {request_id!r}: unknown parent {parent!r}: no finished request "
+                                  "with that id was retained (finish the parent turn with retain=True)")
+
+    def find(self, request_id: str) -> Sequence | None:
+        for s in self.batch.seqs:
+            if s.request_id == request_id:
+                return s
+        for s in self.waiting:
+            if s.request_id == request_id:
+                return s
+        return None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """The request's output so far (finish_reason "abort"); None if it is not waiting or running."""
+        for s in self.waiting:
+            if s.request_id == request_id:
+                self.waiting.remove(s)
+                return _output(s, "abort")
+        for row, s in enumerate(self.batch.seqs):
+            if s.request_id == request_id:
+                (_, toks, lps), = self.batch.take_outputs([row])
+                s.generated += toks
+                s.logprobs += lps
+                self.batch.remove([row], self.kv_cache, self.recorder)
+                return _output(s, "abort")
+        return None
+
+    def release(self, request_id: str) -> bool:
+        """Drop a retained prefix (a conversation that will not continue); True if one was held."""
+        return self.prefixes.drop(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or self.batch.n > 0
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        done = self.batch.decode_step(self.runner, self.recorder) if self.batch.n else []
+        self._retire(done, out)
+        if self.waiting and self.batch.free_rows:
+            self._admit(out)
+        out.progressed = [s.request_id for s in self.batch.seqs]
+        self.stats["steps"] += 1
+        return out
+
+    def _retire(self, rows: list[int], out: StepOutput) -> None:
+        if not rows:
+            return
+        for row, (s, toks, lps) in zip(rows, self.batch.take_outputs(rows)):
+            s.generated += toks
+            s.logprobs += lps
+            total = len(s.prompt) + len(s.generated)
+            routing = self.recorder.sequence_record(row, total) if self.recorder is not None else None
+            if s.retain:
+                self._retain(row, s, total - 1, routing)
+            reason = "stop" if s.generated[-1] in s.params.stop_token_ids else "length"
+            out.finished.append(_output(s, reason, routing))
+        self.batch.remove(rows, self.kv_cache, self.recorder)
+
+    def _retain(self, row: int, s: Sequence, fed: int, routing: torch.Tensor | None) -> None:
+        k, v = self.kv_cache.read_row(row, fed)
+        self.prefixes.put(s.request_id, PrefixEntry(s.fed_tokens[:fed], k, v,
+                                                    routing[:fed].to(k.device) if routing is not None else None,
+                                                    self.weight_version))
+
+    def _admit(self, out: StepOutput) -> None:
+        fresh: list[Sequence] = []  # prefilled from slot 0
+        extend: list[tuple[Sequence, PrefixEntry, int]] = []  # (seq, parent prefix, cached tokens)
+        seen: set[tuple[int, ...]] = set()
+        budget, free = self.max_prefill_tokens, self.batch.free_rows
+        while self.waiting and len(fresh) + len(extend) < free:
+            s = self.waiting[0]
+            tokens = s.fed_tokens
+            entry = self._parent_prefix(s)
+            cached = min(common_prefix_length(entry.tokens, tokens), len(tokens) - 1) if entry is not None else 0
+            cost = len(tokens) - cached
+            key = tuple(tokens) if not cached else None
+            if key is not None and key in seen:
+                cost = 0  # an identical prompt in this prefill: its rows are copied
+            if cost > budget and (fresh or extend):
+                break
+            self.waiting.popleft()
+            budget -= cost
+            if cached:
+                extend.append((s, entry, cached))
+            else:
+                fresh.append(s)
+                seen.add(key)
+        logits = []
+        if fresh:
+            logits.append(self._prefill_fresh(fresh, out))
+        if extend:
+            logits.append(self._prefill_extend(extend, out, self.batch.n + len(fresh)))
+        seqs = fresh + [s for s, _, _ in extend]
+        for s in seqs:
+            s.version_marks.append((len(s.generated), self.weight_version))
+        r0 = self.batch.n
+        done = self.batch.add(seqs, torch.cat(logits) if len(logits) > 1 else logits[0])
+        assert self.batch.n == r0 + len(seqs)
+        self._retire(done, out)
+
+    def _parent_prefix(self, s: Sequence) -> PrefixEntry | None:
+        if s.parent is None or s.generated:  # a recomputed request runs its whole prefix again
+            return None
+        version = self.weight_version if self.kv_on_refit == "recompute" else None
+        return self.prefixes.get(s.parent, version)
+
+    def _prefill_fresh(self, seqs: list[Sequence], out: StepOutput) -> torch.Tensor:
+        """One prefill of the distinct prompts into rows [n, n + U), copied to the rows of
+        identical prompts; returns next-token logits [len(seqs), V]."""
+        dev, r0 = self.runner.device, self.batch.n
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(s.fed_tokens), len(first)) for s in seqs]
+        unique = list(first)
+        S = max(len(p) for p in unique)
+        input_ids = torch.tensor([list(p) + [0] * (S - len(p)) for p in unique], dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in unique], device=dev)
+        if self.recorder is not None:
+            self.recorder.begin_prefill()
+        logits = self.runner.prefill(input_ids.to(dev), lengths, row_start=r0)
+        src_rows = torch.tensor(src, device=dev)
+        dst_rows = torch.arange(r0, r0 + len(seqs), device=dev)
+        if self.recorder is not None:
+            self.recorder.after_prefill(dst_rows, src_rows, len(unique), S)
+        if len(unique) < len(seqs):
+            self.kv_cache.copy_rows(dst_rows, src_rows + r0, S)
+            logits = logits[src_rows]
+        n_tokens = sum(len(p) for p in unique)
+        out.prefilled_tokens += n_tokens
+        self.stats["prefill_tokens"] += n_tokens
+        return logits
+
+    def _prefill_extend(self, items: list[tuple[Sequence, PrefixEntry, int]], out: StepOutput,
+                        r0: int) -> torch.Tensor:
+        """Copy each parent's retained prefix into rows [r0, r0 + k), then prefill the rest."""
+        dev = self.runner.device
+        news, starts = [], []
+        for i, (s, entry, cached) in enumerate(items):
+            self.kv_cache.write_row(r0 + i, entry.k, entry.v, cached)
+            if self.recorder is not None and entry.routing is not None:
+                self.recorder.write_row(r0 + i, entry.routing[:cached])
+            s.cached_tokens = cached
+            news.append(s.fed_tokens[cached:])
+            starts.append(cached)
+        C = max(len(t) for t in news)
+        input_ids = torch.tensor([t + [0] * (C - len(t)) for t in news], dtype=torch.long, device=dev)
+        starts_t = torch.tensor(starts, device=dev)
+        lengths = torch.tensor([len(t) for t in news], device=dev)
+        if self.recorder is not None:
+            self.recorder.begin_prefill()
+        logits = self.runner.extend(input_ids, starts_t, lengths, row_start=r0)
+        if self.recorder is not None:
+            positions = (starts_t.view(-1, 1) + torch.arange(C, device=dev)).clamp_(max=self.max_seq_len - 1)
+            self.recorder.after_extend(r0, positions)
+        n_new, n_cached = sum(len(t) for t in news), sum(starts)
+        out.prefilled_tokens += n_new
+        self.stats["prefill_tokens"] += n_new
+        self.stats["cached_tokens"] += n_cached
+        self.prefixes.hit_tokens += n_cached
+        return logits
+
+    # ---- weights -------------------------------------------------------------------------
+    def on_weights_changed(self, version: int) -> None:
+        """A weight update committed (called between steps)."""
+        self.weight_version = version
+        if not self.batch.n:
+            if self.kv_on_refit == "recompute":
+                self.prefixes.clear()
+            return
+        if self.kv_on_refit == "keep":
+            for s, count in zip(self.batch.seqs, self.batch.counts_now()):
+                s.version_marks.append((count, version))
+            return
+        self.prefixes.clear()
+        rows = list(range(self.batch.n))
+        held = []
+        for s, toks, lps in self.batch.take_outputs(rows):
+            s.generated += toks
+            s.logprobs += lps
+            held.append(s)
+        self.batch.clear()
+        self.stats["recomputed_requests"] += len(held)
+        self.waiting.extendleft(reversed(held))  # first in line, in their order
+
+
+def _output(s: Sequence, reason: str | None, routing: torch.Tensor | None = None) -> RequestOutput:
+    return RequestOutput(request_id=s.request_id, prompt_token_ids=s.prompt, token_ids=list(s.generated),
+                         logprobs=list(s.logprobs), token_versions=s.token_versions(), finished=reason is not None,
+                         finish_reason=reason, cached_tokens=s.cached_tokens, routed_experts=routing)
