@@ -1,4 +1,9 @@
-"""The decode loop for one batch of requests (<= max_batch_size rows).
+"""The baseline: the built-in engine's generation loop before continuous batching (kept
+verbatim but for the routing record, which it does not need here), as the benchmarks'
+"run to completion" side: requests cut into chunks of max_batch_size, each chunk run to
+its longest row. It drives the same engine's ModelRunner (same model, same kernels).
+
+The decode loop for one batch of requests (<= max_batch_size rows).
 
 Per step: one decode forward, one batched sample, a few small in-place tensor ops; the
 only host sync is the `done` check every `sync_every` steps (free on CPU). When at
@@ -17,7 +22,6 @@ import torch
 
 from hybridrl.rollout.layers.sampler import SamplingTensors, make_uniforms, sample
 from hybridrl.rollout.model_runner import ModelRunner
-from hybridrl.rollout.routing import active_recorder
 from hybridrl.rollout.sampling_params import SamplingParams
 
 
@@ -59,16 +63,10 @@ def run_batch(runner: ModelRunner, requests: list[Request], vocab_size: int,
     has_stop = state.stop_ids.shape[1] > 0
     out_tokens = torch.full((B, steps), -1, dtype=torch.long, device=dev)
     out_logprobs = torch.zeros(B, steps, dtype=torch.float32, device=dev)
-    recorder = active_recorder(runner.model)  # MoE routing replay (routing.py); None: not recording
-    if recorder is not None:
-        recorder.begin_batch(lens, steps, dev)
-
-    logits = _prefill_unique(runner, [r.prompt for r in requests], S, recorder)
+    logits = _prefill_unique(runner, [r.prompt for r in requests], S)
     for step in range(steps):
         if step > 0:
             logits = runner.decode(state.tokens, state.positions, min(S + step, runner.max_seq_len), aligned)
-            if recorder is not None:
-                recorder.after_decode(state.row_map, state.positions)
             state.positions.add_(1).clamp_(max=runner.max_seq_len - 1)  # finished rows may run past
         tokens, logprobs = sample(logits, state.sampling, step)
         out_tokens[state.row_map, step] = tokens.masked_fill(state.done, -1)
@@ -83,15 +81,12 @@ def run_batch(runner: ModelRunner, requests: list[Request], vocab_size: int,
             if n == 0:
                 break
             if n <= state.done.numel() * compact_at:
-                runner.kv_cache.move_rows(running, min(S + step, runner.max_seq_len))
+                runner.kv_cache.copy_rows(torch.arange(n, device=dev), running, min(S + step, runner.max_seq_len))
                 state = state.select(running)
-    results = _collect(out_tokens.cpu(), out_logprobs.cpu(), requests)
-    if recorder is not None:
-        recorder.end_batch([len(t) for t, _, _ in results])
-    return results
+    return _collect(out_tokens.cpu(), out_logprobs.cpu(), requests)
 
 
-def _prefill_unique(runner: ModelRunner, prompts: list[list[int]], S: int, recorder=None) -> torch.Tensor:
+def _prefill_unique(runner: ModelRunner, prompts: list[list[int]], S: int) -> torch.Tensor:
     """Prefill each distinct prompt once, then copy its cache row to every row that shares it.
 
     GRPO batches hold n copies of each prompt; prefilling the U distinct ones (rows [0, U))
@@ -104,13 +99,9 @@ def _prefill_unique(runner: ModelRunner, prompts: list[list[int]], S: int, recor
     lengths = torch.tensor([len(p) for p in unique], device=runner.device)
     logits = runner.prefill(input_ids.to(runner.device), lengths)
     if len(unique) == len(prompts):
-        if recorder is not None:
-            recorder.after_prefill(None, S)
         return logits
     src_rows = torch.tensor(src, device=runner.device)
-    if recorder is not None:
-        recorder.after_prefill(src_rows, S)
-    runner.kv_cache.move_rows(src_rows, S)
+    runner.kv_cache.copy_rows(torch.arange(len(prompts), device=runner.device), src_rows, S)
     return logits[src_rows]
 
 
@@ -148,3 +139,23 @@ def _collect(out_tokens: torch.Tensor, out_logprobs: torch.Tensor, requests: lis
         reason = "stop" if tokens and tokens[-1] in r.params.stop_token_ids else "length"
         results.append((tokens, logprobs[:n], reason))
     return results
+
+
+def generate_run_to_completion(engine, prompt_token_ids: list[list[int]], params, compact: bool = True):
+    """What ``RolloutEngine.generate`` did before continuous batching: chunks of
+    max_batch_size, each run to completion (finished rows compacted out at 7/8 on CPU)."""
+    from hybridrl.rollout.backend import expand_requests
+    from hybridrl.rollout.rollouts import build_rollouts
+
+    requests = [Request(prompt, p, seed, max_new) for prompt, p, seed, max_new
+                in expand_requests(prompt_token_ids, params, engine.max_seq_len, engine.config.vocab_size)]
+    cpu = engine.device.type == "cpu"
+    sync_every, compact_at = (1, 7 / 8) if cpu else (8, 1 / 2)
+    if not compact:
+        compact_at = 0.0
+    results = []
+    for i in range(0, len(requests), engine.max_batch_size):
+        chunk = requests[i:i + engine.max_batch_size]
+        results += run_batch(engine.runner, chunk, engine.config.vocab_size, sync_every, compact_at)
+    return build_rollouts([r.prompt for r in requests], [t for t, _, _ in results], [lp for _, lp, _ in results],
+                          [f for _, _, f in results], engine.weight_version, engine.pad_token_id)

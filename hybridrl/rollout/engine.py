@@ -15,7 +15,6 @@ CUDA graphs at the first complete update, whichever path it came through (a firs
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from typing import Any, Callable, Iterable, Iterator
@@ -208,8 +207,8 @@ class RolloutEngine(WeightUpdateBracket):
                                   self.config.vocab_size)
         call = next(self._generate_calls)
         ids = [f"generate-{call}-{i}" for i in range(len(samples))]
-        for rid, (prompt, p, seed, _) in zip(ids, samples):
-            self.add_request(rid, prompt, _one_sample(p, seed))
+        with self._lock:
+            self.scheduler.add_samples(ids, samples)
         outputs = self.run_until_finished(ids)
         return rollouts_from_outputs([outputs[i] for i in ids], self.pad_token_id)
 
@@ -223,9 +222,6 @@ class RolloutEngine(WeightUpdateBracket):
                     outputs[r.request_id] = r
         return outputs
 
-
-def _one_sample(p: SamplingParams, seed: int) -> SamplingParams:
-    return p if p.n == 1 and p.seed == seed else dataclasses.replace(p, n=1, seed=seed)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -48,10 +48,15 @@ class StepOutput:
 
     finished: list[RequestOutput] = field(default_factory=list)
     """requests that finished in this step, in the order they finished."""
-    progressed: list[str] = field(default_factory=list)
-    """ids of the requests that got a token in this step and are still running."""
     prefilled_tokens: int = 0
     """prompt tokens run through the model in this step (the prefill budget's unit)."""
+    running: tuple = ()
+    """the requests still running after this step (the scheduler's own records)."""
+
+    @property
+    def progressed(self) -> list[str]:
+        """ids of the requests that got a token in this step and are still running."""
+        return [s.request_id for s in self.running]
 
 
 class UnknownRequestError(KeyError):

@@ -41,10 +41,13 @@ class Sequence:
     version_marks: list[tuple[int, int]] = field(default_factory=list)
     """(index of the first generated token, weight version) each time the version changed."""
     cached_tokens: int = 0
-    uniforms: torch.Tensor | None = None
-    """[max_new] float64 (CPU), drawn once from the seed; None for greedy requests."""
     life_start: int = 0
     """len(generated) when the request took its current row (tokens of earlier rows are in `generated`)."""
+
+    def __post_init__(self):
+        p = self.params
+        # what the sampler's batch-wide fast paths need: greedy, truncating, T == 1, has stop ids
+        self.flags = (p.temperature == 0, p.top_k > 0 or p.top_p < 1.0, p.temperature == 1.0, bool(p.stop_token_ids))
 
     @property
     def fed_tokens(self) -> list[int]:
@@ -56,6 +59,8 @@ class Sequence:
         return self.params.temperature == 0
 
     def token_versions(self) -> list[int]:
+        if len(self.version_marks) == 1:
+            return [self.version_marks[0][1]] * len(self.generated)
         out, marks = [], self.version_marks + [(len(self.generated), -1)]
         for (start, version), (end, _) in zip(marks, marks[1:]):
             out += [version] * (end - start)
@@ -85,7 +90,7 @@ class RunningBatch:
         self._row_buffers = [self.tokens, self.positions, self.counts, self.max_new, self.stop_ids,
                              self.temperature, self.top_k, self.top_p, self.uniforms, self.out_tokens,
                              self.out_logprobs]
-        self._n_greedy = self._n_truncating = self._n_unit_temp = 0
+        self._n_greedy = self._n_truncating = self._n_unit_temp = self._n_stopping = 0
 
     @property
     def n(self) -> int:
@@ -111,22 +116,38 @@ class RunningBatch:
         W = self.stop_ids.shape[1]
         dev = self.device
         fed = [len(s.prompt) + len(s.generated) for s in seqs]
-        self.positions[rows].copy_(torch.tensor(fed))
         self.host_positions[r0:r0 + k] = fed
-        self.counts[rows].copy_(torch.tensor([len(s.generated) for s in seqs]))
-        self.max_new[rows].copy_(torch.tensor([s.max_new for s in seqs]))
-        self.stop_ids[rows].copy_(torch.tensor([list(s.params.stop_token_ids) + [-1] * (W - len(s.params.stop_token_ids))
-                                                for s in seqs], dtype=torch.long).view(k, W))
-        self.temperature[rows].copy_(torch.tensor([[s.params.temperature] for s in seqs]))
-        self.top_k[rows].copy_(torch.tensor([[s.params.top_k if s.params.top_k > 0 else self.vocab_size] for s in seqs]))
-        self.top_p[rows].copy_(torch.tensor([[s.params.top_p] for s in seqs]))
-        for i, s in enumerate(seqs):
+        # two host->device transfers for all per-row settings (requests of one generate share params)
+        ints, floats, by_params = [], [], {}
+        for s, f in zip(seqs, fed):
+            p = s.params
+            tail = by_params.get(id(p))
+            if tail is None:
+                tail = by_params[id(p)] = (
+                    [p.top_k if p.top_k > 0 else self.vocab_size, *p.stop_token_ids] + [-1] * (W - len(p.stop_token_ids)),
+                    [p.temperature, p.top_p])
+            ints.append([f, len(s.generated), s.max_new, *tail[0]])
+            floats.append(tail[1])
+        ints_t = torch.tensor(ints, dtype=torch.long).to(dev)
+        floats_t = torch.tensor(floats, dtype=torch.float32).to(dev)
+        self.positions[rows] = ints_t[:, 0]
+        self.counts[rows] = ints_t[:, 1]
+        self.max_new[rows] = ints_t[:, 2]
+        self.top_k[rows] = ints_t[:, 3:4]
+        self.stop_ids[rows] = ints_t[:, 4:]
+        self.temperature[rows] = floats_t[:, 0:1]
+        self.top_p[rows] = floats_t[:, 1:2]
+        sampled = [i for i, s in enumerate(seqs) if not s.greedy]
+        if sampled:  # one draw for all: row i's u[t] depends on its seed alone (sampler.make_uniforms)
+            width = max(seqs[i].max_new for i in sampled)
+            u = make_uniforms([seqs[i].seed for i in sampled], width, dev)
+            if len(sampled) == k:
+                self.uniforms[rows, :width] = u
+            else:
+                self.uniforms[torch.tensor(sampled, device=dev) + r0, :width] = u
+        for s in seqs:
             s.life_start = len(s.generated)
-            if not s.greedy:
-                if s.uniforms is None:
-                    s.uniforms = make_uniforms([s.seed], s.max_new, torch.device("cpu"))[0]
-                self.uniforms[r0 + i, :s.max_new].copy_(s.uniforms, non_blocking=dev.type == "cuda")
-            self._count(s, +1)
+        self._count(seqs, +1)
         self.seqs += seqs
         return self._sample_and_record(logits, r0, r0 + k)
 
@@ -154,7 +175,9 @@ class RunningBatch:
         self.out_logprobs[ar, counts] = logprobs
         counts.add_(1)
         self.tokens[rows] = tokens
-        done = (counts >= self.max_new[rows]) | (tokens.unsqueeze(1) == self.stop_ids[rows]).any(dim=1)
+        done = counts >= self.max_new[rows]
+        if self._n_stopping:
+            done |= (tokens.unsqueeze(1) == self.stop_ids[rows]).any(dim=1)
         return [r0 + i for i in done.nonzero().view(-1).tolist()]
 
     def _sampling_tensors(self, r0: int, r1: int, counts: torch.Tensor) -> SamplingTensors:
@@ -162,12 +185,11 @@ class RunningBatch:
         if r0 == 0 and r1 == self.n:  # the whole batch: the running counters
             n_greedy, n_trunc, n_unit = self._n_greedy, self._n_truncating, self._n_unit_temp
         else:
-            n_greedy = sum(s.greedy for s in seqs)
-            n_trunc = sum(_truncates(s.params) for s in seqs)
-            n_unit = sum(s.params.temperature == 1.0 for s in seqs)
+            n_greedy, n_trunc, n_unit, _ = _flag_sums(seqs)
         all_greedy = n_greedy == n
+        # counts < max_new <= max_seq_len here: a row samples only while it is not done
         uniforms = (torch.empty(n, 0, device=self.device) if all_greedy
-                    else self.uniforms[self.arange[r0:r1], counts.clamp(max=self.max_seq_len - 1)].view(n, 1))
+                    else self.uniforms[r0:r1].gather(1, counts.view(n, 1)))
         return SamplingTensors(temperature=self.temperature[r0:r1], top_k=self.top_k[r0:r1], top_p=self.top_p[r0:r1],
                                uniforms=uniforms, all_greedy=all_greedy, use_top_k_top_p=n_trunc > 0,
                                any_greedy=n_greedy > 0, all_unit_temperature=n_unit == n)
@@ -197,8 +219,7 @@ class RunningBatch:
         n, new_n = self.n, self.n - len(gone)
         holes = [r for r in sorted(gone) if r < new_n]
         movers = [r for r in range(new_n, n) if r not in gone]
-        for r in gone:
-            self._count(self.seqs[r], -1)
+        self._count([self.seqs[r] for r in gone], -1)
         if holes:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
@@ -214,14 +235,15 @@ class RunningBatch:
         del self.seqs[new_n:]
 
     def clear(self) -> None:
-        for s in self.seqs:
-            self._count(s, -1)
+        self._count(self.seqs, -1)
         self.seqs = []
 
-    def _count(self, s: Sequence, sign: int) -> None:
-        self._n_greedy += sign * s.greedy
-        self._n_truncating += sign * _truncates(s.params)
-        self._n_unit_temp += sign * (s.params.temperature == 1.0)
+    def _count(self, seqs: list[Sequence], sign: int) -> None:
+        g, t, u, st = _flag_sums(seqs)
+        self._n_greedy += sign * g
+        self._n_truncating += sign * t
+        self._n_unit_temp += sign * u
+        self._n_stopping += sign * st
 
     def _widen_stop_ids(self, width: int) -> None:
         wider = torch.full((self.max_rows, width), -1, dtype=torch.long, device=self.device)
@@ -230,5 +252,8 @@ class RunningBatch:
         self.stop_ids = self._row_buffers[i] = wider
 
 
-def _truncates(p: SamplingParams) -> bool:
-    return p.top_k > 0 or p.top_p < 1.0
+def _flag_sums(seqs: list[Sequence]) -> tuple[int, int, int, int]:
+    """(greedy, truncating, unit-temperature, stopping) counts of ``seqs``."""
+    if not seqs:
+        return 0, 0, 0, 0
+    return tuple(map(sum, zip(*(s.flags for s in seqs))))

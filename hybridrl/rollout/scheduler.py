@@ -55,6 +55,7 @@ class Scheduler:
         self.max_prefill_tokens, self.kv_on_refit = max_prefill_tokens, kv_on_refit
         self.batch = RunningBatch(runner.max_batch_size, runner.max_seq_len, vocab_size, runner.device)
         self.waiting: deque[Sequence] = deque()
+        self.live: dict[str, Sequence] = {}  # every waiting or running request by id
         self.prefixes = PrefixCache(prefix_cache_bytes)
         self.weight_version = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_requests": 0}
@@ -70,7 +71,7 @@ class Scheduler:
         if params.n != 1:
             raise ValueError(f"add_request {request_id!r}: SamplingParams.n={params.n}; a request is one sample "
                              "(add n requests with their own seeds, as generate() does)")
-        if self.find(request_id) is not None:
+        if request_id in self.live:
             raise ValueError(f"add_request {request_id!r}: a request with this id is already waiting or running")
         token_ids = [int(t) for t in token_ids]
         try:
@@ -82,39 +83,42 @@ class Scheduler:
         seq = Sequence(request_id, token_ids, params, request_seed(params.seed, 0),
                        min(params.max_tokens, self.max_seq_len - len(token_ids)), parent=parent, retain=retain)
         (self.waiting.appendleft if front else self.waiting.append)(seq)
+        self.live[request_id] = seq
+
+    def add_samples(self, request_ids: list[str], samples) -> None:
+        """``generate``'s requests: ``(prompt, params, seed, max_new)`` from ``expand_requests``
+        (prompts already checked; ``params.n`` samples share one params object)."""
+        clash = self.live.keys() & set(request_ids)
+        if clash:
+            raise ValueError(f"add_samples: ids already waiting or running: {sorted(clash)[:4]}")
+        for rid, (prompt, params, seed, max_new) in zip(request_ids, samples):
+            seq = Sequence(rid, prompt, params, seed, max_new)
+            self.waiting.append(seq)
+            self.live[rid] = seq
 
     def _check_parent(self, request_id: str, parent: str) -> None:
         if parent in self.prefixes or self.prefixes.was_evicted(parent):
             return
-        if self.find(parent) is not None:
+        if parent in self.live:
             raise ValueError(f"add_request {request_id!r}: parent {parent!r} has not finished yet; add the next "
                              "turn after its output arrived")
         raise UnknownRequestError(f"add_request {request_id!r}: unknown parent {parent!r}: no finished request "
                                   "with that id was retained (finish the parent turn with retain=True)")
 
-    def find(self, request_id: str) -> Sequence | None:
-        for s in self.batch.seqs:
-            if s.request_id == request_id:
-                return s
-        for s in self.waiting:
-            if s.request_id == request_id:
-                return s
-        return None
-
     def abort(self, request_id: str) -> RequestOutput | None:
         """The request's output so far (finish_reason "abort"); None if it is not waiting or running."""
-        for s in self.waiting:
-            if s.request_id == request_id:
-                self.waiting.remove(s)
-                return _output(s, "abort")
-        for row, s in enumerate(self.batch.seqs):
-            if s.request_id == request_id:
-                (_, toks, lps), = self.batch.take_outputs([row])
-                s.generated += toks
-                s.logprobs += lps
-                self.batch.remove([row], self.kv_cache, self.recorder)
-                return _output(s, "abort")
-        return None
+        s = self.live.pop(request_id, None)
+        if s is None:
+            return None
+        if s in self.waiting:
+            self.waiting.remove(s)
+            return _output(s, "abort")
+        row = self.batch.seqs.index(s)
+        (_, toks, lps), = self.batch.take_outputs([row])
+        s.generated += toks
+        s.logprobs += lps
+        self.batch.remove([row], self.kv_cache, self.recorder)
+        return _output(s, "abort")
 
     def release(self, request_id: str) -> bool:
         """Drop a retained prefix (a conversation that will not continue); True if one was held."""
@@ -130,7 +134,7 @@ class Scheduler:
         self._retire(done, out)
         if self.waiting and self.batch.free_rows:
             self._admit(out)
-        out.progressed = [s.request_id for s in self.batch.seqs]
+        out.running = tuple(self.batch.seqs)
         self.stats["steps"] += 1
         return out
 
@@ -146,6 +150,7 @@ class Scheduler:
                 self._retain(row, s, total - 1, routing)
             reason = "stop" if s.generated[-1] in s.params.stop_token_ids else "length"
             out.finished.append(_output(s, reason, routing))
+            del self.live[s.request_id]
         self.batch.remove(rows, self.kv_cache, self.recorder)
 
     def _retain(self, row: int, s: Sequence, fed: int, routing: torch.Tensor | None) -> None:
@@ -275,6 +280,10 @@ class Scheduler:
 
 
 def _output(s: Sequence, reason: str | None, routing: torch.Tensor | None = None) -> RequestOutput:
-    return RequestOutput(request_id=s.request_id, prompt_token_ids=s.prompt, token_ids=list(s.generated),
-                         logprobs=list(s.logprobs), token_versions=s.token_versions(), finished=reason is not None,
+    """A finished request's lists are handed over (it never changes again); a running one's copied."""
+    done = reason is not None
+    return RequestOutput(request_id=s.request_id, prompt_token_ids=s.prompt,
+                         token_ids=s.generated if done else list(s.generated),
+                         logprobs=s.logprobs if done else list(s.logprobs), token_versions=s.token_versions(),
+                         finished=done,
                          finish_reason=reason, cached_tokens=s.cached_tokens, routed_experts=routing)
