@@ -53,6 +53,20 @@ class RewardBatch:
     # sample [B], NaN where that sample failed or did not report the key
     extras: dict[str, list[float]] = field(default_factory=dict)
 
+    @classmethod
+    def concat(cls, batches: list["RewardBatch"]) -> "RewardBatch":
+        """The batches' samples in order, as one batch (extras a batch lacks are NaN there)."""
+        out = cls(scores=[s for b in batches for s in b.scores])
+        for b in batches:
+            out.failures.update(b.failures)
+            out.seconds += b.seconds
+        start = 0
+        for b in batches:
+            for key, values in b.extras.items():
+                out.extras.setdefault(key, [math.nan] * len(out.scores))[start:start + len(values)] = values
+            start += len(b.scores)
+        return out
+
     def extra_means(self) -> dict[str, float]:
         """Mean of each extra over the samples that reported it (NaNs skipped)."""
         means = {}

@@ -81,7 +81,8 @@ class RolloutEngine(WeightUpdateBracket):
         self._update = WeightUpdate(self.model, self.weight_routes)
         self._weight_version = 0  # written only by _commit_weight_update
         self._use_graphs = self.device.type == "cuda" and not enforce_eager
-        self.scheduler = Scheduler(self.runner, self.config.vocab_size, max_prefill_tokens=max_prefill_tokens,
+        self.scheduler = Scheduler(self.runner, self.config.vocab_size, lambda: self._weight_version,
+                                   max_prefill_tokens=max_prefill_tokens,
                                    prefix_cache_bytes=prefix_cache_bytes, kv_on_refit=kv_on_refit)
         # one step or one bracket call at a time: a weight update waits for the step in flight
         self._lock = threading.Lock()

@@ -31,6 +31,7 @@ prefixes stay. Either way every token records the version that sampled it.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -46,8 +47,9 @@ KV_ON_REFIT = ("recompute", "keep")
 
 
 class Scheduler:
-    def __init__(self, runner, vocab_size: int, *, max_prefill_tokens: int, prefix_cache_bytes: int,
-                 kv_on_refit: str = "recompute"):
+    def __init__(self, runner, vocab_size: int, weight_version: Callable[[], int], *, max_prefill_tokens: int,
+                 prefix_cache_bytes: int, kv_on_refit: str = "recompute"):
+        """``weight_version``: reads the engine's version (the engine is its only writer)."""
         if kv_on_refit not in KV_ON_REFIT:
             raise ValueError(f"kv_on_refit={kv_on_refit!r}: use 'recompute' (default, exact) or 'keep'")
         self.runner, self.kv_cache = runner, runner.kv_cache
@@ -57,8 +59,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.live: dict[str, Sequence] = {}  # every waiting or running request by id
         self.prefixes = PrefixCache(prefix_cache_bytes)
-        self.weight_version = 0
+        self._weight_version = weight_version
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_requests": 0}
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version()
 
     @property
     def recorder(self):
@@ -257,8 +263,7 @@ class Scheduler:
 
     # ---- weights -------------------------------------------------------------------------
     def on_weights_changed(self, version: int) -> None:
-        """A weight update committed (called between steps)."""
-        self.weight_version = version
+        """A weight update committed ``version`` (called between steps)."""
         if not self.batch.n:
             if self.kv_on_refit == "recompute":
                 self.prefixes.clear()

@@ -11,6 +11,7 @@ on its share of the prompts.
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from hybridrl import algos
 from hybridrl.config import AlgoConfig, Config
 from hybridrl.distributed.context import DistContext
+from hybridrl.rewards import RewardBatch
 from hybridrl.trainer.actor import Actor
 from hybridrl.trainer.critic import Critic
 from hybridrl.trainer.prompts import PromptSet
@@ -126,10 +128,7 @@ class RLStep:
     def __call__(self, rng: random.Random) -> dict[str, float]:
         """One RL step; returns its metrics (phase seconds included)."""
         timer, metrics = PhaseTimer(PHASES), {}
-        with timer.phase("rollout"):
-            sb = self.sample(rng)
-        with timer.phase("reward"):
-            self.score(sb)
+        sb = self.sample_and_score(rng, timer)
         if self.algo.dapo.dynamic_sampling:
             sb, rounds = self.refill(sb, rng, timer)
             metrics["batch/refill_rounds"] = float(rounds)
@@ -168,21 +167,63 @@ class RLStep:
         One seed per prompt: with a shared seed the j-th sample of every prompt would reuse
         the same random stream, correlating the noise across the whole batch.
         """
+        batch_idx, seeds = self._draw(rng)
+        ro = self.rollout.sample([self.train_set.prompts[i] for i in batch_idx], seeds)
+        n = self.shape.samples_per_prompt
+        return StepBatch.from_rollouts(batch_idx, [i for i in range(len(batch_idx)) for _ in range(n)], ro)
+
+    def sample_and_score(self, rng: random.Random, timer: PhaseTimer) -> StepBatch:
+        """:meth:`sample` then :meth:`score`, overlapped when the engine serves requests: each
+        prompt's group is scored (on one background thread, in the reward's own processes
+        unless it is a trusted built-in) as soon as its ``n`` samples finished, while later
+        groups still decode. Same prompts, seeds, tokens and scores as the two phases in turn.
+        Phase "rollout" is the generation, "reward" the scoring still left after it."""
+        if not hasattr(self.rollout.engine, "add_request"):
+            with timer.phase("rollout"):
+                sb = self.sample(rng)
+            with timer.phase("reward"):
+                self.score(sb)
+            return sb
+        batch_idx, seeds = self._draw(rng)
+        prompts = [self.train_set.prompts[i] for i in batch_idx]
+        t = self.train_set
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") as pool:
+            futures: dict[int, Future] = {}
+
+            def score_group(g: int, outputs) -> None:
+                i = batch_idx[g]
+                futures[g] = pool.submit(self.scorer.score, [o.token_ids for o in outputs], [t.answers[i]] * len(outputs),
+                                         [t.prompt_texts[i]] * len(outputs))
+
+            with timer.phase("rollout"):
+                ro = self.rollout.sample_groups(prompts, seeds, score_group)
+            with timer.phase("reward"):
+                rb = RewardBatch.concat([futures[g].result() for g in range(len(prompts))])
+        n = self.shape.samples_per_prompt
+        sb = StepBatch.from_rollouts(batch_idx, [i for i in range(len(batch_idx)) for _ in range(n)], ro)
+        self.apply_rewards(sb, rb)
+        return sb
+
+    def _draw(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        """This rank's prompts (training-set rows) and one seed per prompt."""
         batch_idx = rng.sample(range(len(self.train_set)), self.shape.prompts_per_step)
         seeds = [rng.randrange(2**62) for _ in batch_idx]
         if self.dp is not None:  # every rank draws the same batch and keeps its share of the groups
             share = self.dp.shard(len(batch_idx))
             batch_idx, seeds = batch_idx[share], seeds[share]
-        ro = self.rollout.sample([self.train_set.prompts[i] for i in batch_idx], seeds)
-        n = self.shape.samples_per_prompt
-        return StepBatch.from_rollouts(batch_idx, [i for i in range(len(batch_idx)) for _ in range(n)], ro)
+        return batch_idx, seeds
 
     def score(self, sb: StepBatch) -> None:
         """Verifier scores ``[B]``, plus DAPO's soft overlong penalty when configured."""
-        ro, d = sb.rollouts, self.algo.dapo
+        ro = sb.rollouts
         rows = [sb.batch_idx[i] for i in sb.index]
         rb = self.scorer.score(ro.response_token_ids, [self.train_set.answers[i] for i in rows],
                                [self.train_set.prompt_texts[i] for i in rows])
+        self.apply_rewards(sb, rb)
+
+    def apply_rewards(self, sb: StepBatch, rb: RewardBatch) -> None:
+        """``sb``'s scores from the reward batch ``rb`` (row order), DAPO's overlong penalty on top."""
+        ro, d = sb.rollouts, self.algo.dapo
         sb.failures = sum(rb.failures.values())
         sb.extras = rb.extra_means()  # reward-reported fields (combined components, dict extras)
         sb.raw_scores = torch.tensor(rb.scores, dtype=torch.float32, device=ro.input_ids.device)

@@ -12,12 +12,17 @@ a word (on-policy today; an asynchronous trainer relaxes this to a staleness bou
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from typing import Callable
+
 import torch
 
 from hybridrl.refit import RefitStats, refit_from_model
 from hybridrl.rollout import Rollouts, SamplingParams
 from hybridrl.config import RefitConfig, RolloutConfig
-from hybridrl.rollout.backend import RolloutBackend
+from hybridrl.rollout.backend import RolloutBackend, request_seed
+from hybridrl.rollout.requests import RequestOutput
+from hybridrl.rollout.rollouts import rollouts_from_outputs
 
 
 class StaleRolloutError(RuntimeError):
@@ -34,6 +39,7 @@ class RolloutWorker:
         self.device = device
         self.bucket_bytes, self.verify_refit = bucket_bytes, verify_refit
         self.expected_version: int | None = None  # the version the last refit produced
+        self._calls = itertools.count()  # request ids unique across sample_groups calls
 
     @classmethod
     def from_config(cls, engine: RolloutBackend, rollout: RolloutConfig, refit: RefitConfig, *,
@@ -80,6 +86,38 @@ class RolloutWorker:
         params = [dataclasses.replace(self.sampling, seed=s) for s in seeds]
         return self._to_device(self.engine.generate(prompts, params))
 
+    def sample_groups(self, prompts: list[list[int]], seeds: list[int],
+                      on_group: Callable[[int, list[RequestOutput]], None]) -> Rollouts:
+        """:meth:`sample` through the engine's request API: ``on_group(g, outputs)`` is called
+        as soon as all ``n`` samples of prompt ``g`` finished (while later groups still
+        decode), so their scoring overlaps the rest of the generation. Same seeds, same
+        tokens as :meth:`sample` (sample j of a prompt seeded ``request_seed(seed, j)``)."""
+        n, call = self.sampling.n, next(self._calls)
+        ids = [[f"rollout-{call}-{g}-{j}" for j in range(n)] for g in range(len(prompts))]
+        for g, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            for j in range(n):
+                params = dataclasses.replace(self.sampling, n=1, seed=request_seed(seed, j))
+                self.engine.add_request(ids[g][j], prompt, params)
+        group_of = {rid: g for g, row in enumerate(ids) for rid in row}
+        done: dict[str, RequestOutput] = {}
+        left = [n] * len(prompts)
+        try:
+            while len(done) < len(group_of):
+                for out in self.engine.step().finished:
+                    g = group_of.get(out.request_id)
+                    if g is None:
+                        continue  # someone else's request sharing the engine
+                    done[out.request_id] = out
+                    left[g] -= 1
+                    if left[g] == 0:
+                        on_group(g, [done[rid] for rid in ids[g]])
+        except BaseException:
+            for rid in group_of.keys() - done.keys():  # nothing of this call left running
+                self.engine.abort(rid)
+            raise
+        pad = getattr(self.engine, "pad_token_id", 0)
+        return self._to_device(rollouts_from_outputs([done[rid] for row in ids for rid in row], pad))
+
     def greedy(self, prompts: list[list[int]]) -> Rollouts:
         """One greedy response per prompt (eval, ReMax baselines)."""
         params = SamplingParams(temperature=0.0, max_tokens=self.sampling.max_tokens,
@@ -87,16 +125,20 @@ class RolloutWorker:
         return self.engine.generate(prompts, params)
 
     def check_on_policy(self, rollouts: Rollouts) -> None:
-        """Raise unless ``rollouts`` were generated with the weights of the last refit."""
-        if self.expected_version is None or rollouts.weight_version != self.expected_version:
+        """Raise unless every token of ``rollouts`` was sampled with the weights of the last
+        refit (``Rollouts.token_versions``: a refit mid-generation shows up here)."""
+        versions = rollouts.response_versions()
+        if self.expected_version is None or versions != {self.expected_version}:
+            shown = rollouts.weight_version if len(versions) <= 1 else sorted(versions)
             raise StaleRolloutError(
-                f"rollouts were generated with engine weight_version {rollouts.weight_version}, but the policy "
+                f"rollouts were generated with engine weight_version {shown}, but the policy "
                 f"being trained was refit as version {self.expected_version}: the engine was updated outside "
                 "RolloutWorker.refit or the step order changed; refit before sampling")
 
     def _to_device(self, ro: Rollouts) -> Rollouts:
-        for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
-            setattr(ro, name, getattr(ro, name).to(self.device))
+        for name in ("input_ids", "attention_mask", "response_mask", "logprobs", "token_versions"):
+            if getattr(ro, name) is not None:
+                setattr(ro, name, getattr(ro, name).to(self.device))
         if ro.routed_experts is not None:
             ro.routed_experts = ro.routed_experts.to(self.device)
         return ro
