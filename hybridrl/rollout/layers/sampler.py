@@ -48,15 +48,16 @@ def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.
         logp = torch.log_softmax(logits, dim=-1)  # (B, V)
     else:
         logp = torch.log_softmax(logits / torch.where(st.temperature == 0, 1.0, st.temperature), dim=-1)
+    probs = logp.exp()
     if st.use_top_k_top_p:
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        probs = _truncate(sorted_logp.exp(), st.top_k, st.top_p)
-    else:
-        probs, order = logp.exp(), None
+        # Truncate in sorted order, then scatter back: the CDF is always inverted in vocabulary
+        # order, so a row that does not truncate samples exactly what it would in a batch where
+        # no row truncates (its sample never depends on its neighbours' settings).
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        probs = torch.zeros_like(probs).scatter_(-1, order, _truncate(sorted_probs, st.top_k, st.top_p))
     cdf = probs.double().cumsum(dim=-1)  # float64: the tail of a 100k vocab stays resolvable
     target = st.uniforms[:, step:step + 1] * cdf[:, -1:]
-    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
-    tokens = (pick if order is None else order.gather(-1, pick)).squeeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
     if st.any_greedy:
         tokens = torch.where(st.temperature.squeeze(-1) == 0, logits.argmax(dim=-1), tokens)
     return tokens, _gather(logp, tokens)
