@@ -113,3 +113,23 @@ def test_enabling_after_graph_capture_is_refused():
     engine.runner.graphs = object()  # as if CUDA graphs had been captured without the copies
     with pytest.raises(ValueError, match="already captured"):
         enable_routing_record(engine)
+
+
+def test_a_continued_conversation_inherits_its_parents_routing_record():
+    """The child's record of the retained prefix is the parent's; the whole record equals the
+    routing of one full-sequence forward, as for a request prefilled from scratch."""
+    cfg, hf, engine, recorder = _recording_engine(max_batch_size=2)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prompt = torch.randint(0, cfg.vocab_size, (9,), generator=g).tolist()
+    p = SamplingParams(temperature=0.0, max_tokens=6)
+    engine.add_request("a", prompt, p, retain=True)
+    a = engine.run_until_finished(["a"])["a"]
+    child = prompt + a.token_ids + torch.randint(0, cfg.vocab_size, (4,), generator=g).tolist()
+    engine.add_request("b", child, p, parent="a")
+    b = engine.run_until_finished(["b"])["b"]
+    assert b.cached_tokens == len(prompt) + len(a.token_ids) - 1
+    ids = torch.tensor([child + b.token_ids])
+    _, full = routing_of_sequences(engine, ids, torch.ones_like(ids))
+    fed = ids.shape[1] - 1
+    assert torch.equal(b.routed_experts[:fed], full[0, :fed]) and (b.routed_experts[fed:] == -1).all()
+    assert torch.equal(b.routed_experts[:b.cached_tokens], a.routed_experts[:b.cached_tokens])

@@ -64,3 +64,41 @@ def test_training_on_rollouts_of_other_weights_fails_loudly(tmp_path):
     with pytest.raises(StaleRolloutError, match="weight_version"):
         run.step(random.Random(2))
     assert all((p == weights[n]).all() for n, p in run.policy.named_parameters())  # nothing was trained
+
+
+def test_groups_are_scored_as_they_finish_and_equal_the_two_phase_step(tmp_path):
+    """The step's rollout streams finished groups to the reward while later groups still
+    decode; tokens, log-probs and scores equal sampling everything, then scoring it."""
+    import torch
+
+    from hybridrl.trainer.timer import PhaseTimer
+
+    import dataclasses
+    from collections import Counter
+
+    run = _run(tmp_path, ["rollout.max_tokens=24"])
+    step, worker = run.step, run.step.rollout
+    engine = worker.engine
+    # stop on a token this model samples now and then, so groups finish at different steps
+    counts = Counter(t for r in step.sample(random.Random(3)).rollouts.response_token_ids for t in r)
+    total = sum(counts.values())
+    stop = min(counts, key=lambda t: abs(counts[t] / total - 0.08))
+    worker.sampling = dataclasses.replace(worker.sampling, stop_token_ids=(stop,))
+    seen_unfinished = []
+    sample_groups = worker.sample_groups
+
+    def watching(prompts, seeds, on_group):
+        def handed_over(g, outputs):
+            seen_unfinished.append(engine.has_unfinished_requests())
+            on_group(g, outputs)
+        return sample_groups(prompts, seeds, handed_over)
+
+    worker.sample_groups = watching
+    streamed = step.sample_and_score(random.Random(3), PhaseTimer(("rollout", "reward")))
+    assert len(seen_unfinished) == len(streamed.batch_idx) and any(seen_unfinished)  # handed over mid-generation
+    plain = step.sample(random.Random(3))
+    step.score(plain)
+    a, b = streamed.rollouts, plain.rollouts
+    assert a.response_token_ids == b.response_token_ids
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(streamed.raw_scores, plain.raw_scores)
+    assert a.response_versions() == {worker.expected_version}
