@@ -164,7 +164,8 @@ class VllmEngine(WeightUpdateBracket):
         return self._staged is not None
 
     def begin_weight_update(self) -> None:
-        """Open an update (nothing reaches vLLM before ``finish_weight_update``)."""
+        """Open an update (nothing reaches vLLM before ``finish_weight_update``); requests in
+        flight hold until it closes (``step`` refuses meanwhile)."""
         if self._staged is not None:
             raise WeightUpdateError("a weight update of this engine is already in progress; finish or abort it first")
         self._staged = {}
@@ -297,7 +298,8 @@ class VllmEngine(WeightUpdateBracket):
     # ---- inference -----------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> Rollouts:
-        """Sample ``n`` responses per prompt (rows prompt-major); see ``Rollouts``."""
+        """Sample ``n`` responses per prompt (rows prompt-major); see ``Rollouts``. Refuses while
+        requests of ``add_request`` are in vLLM (``LLM.generate`` would step them too)."""
         self._check_can_run("generate")
         if self.requests.in_vllm:  # LLM.generate would run them too and swallow their outputs
             raise RuntimeError(f"generate: {self.requests.in_vllm} requests of add_request are in flight; step() "
@@ -332,6 +334,8 @@ class VllmEngine(WeightUpdateBracket):
         ``retain=True`` whose prompt + response ``token_ids`` extends (vLLM's prefix cache
         reuses its KV by itself; the parent is only validated). Allowed during a weight update:
         the request reaches vLLM when the update closes."""
+        if "llm" not in self.__dict__:
+            raise RuntimeError("add_request: this VllmEngine was closed")
         self.requests.add(request_id, token_ids, params, parent=parent, retain=retain,
                           hold=self._staged is not None)
 

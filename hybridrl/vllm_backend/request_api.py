@@ -168,7 +168,9 @@ class VllmRequests:
                               r.max_new - done, tag)
         params.output_kind = self._delta  # each step reports only the new tokens
         with preserve_torch_state():
-            self.llm.llm_engine.add_request(vllm_id(tag), {"prompt_token_ids": r.prompt + r.tokens}, params)
+            # rendered as LLM.generate does (vLLM deprecates raw prompts in add_request)
+            (prompt,) = self.llm.renderer.render_cmpl([{"prompt_token_ids": r.prompt + r.tokens}])
+            self.llm.llm_engine.add_request(vllm_id(tag), prompt, params)
         r.tag, r.segment_start, r.got_first_output = tag, done, False
         self._mark_version(r)
         self.by_vllm_id[vllm_id(tag)] = r
