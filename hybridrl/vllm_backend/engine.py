@@ -29,6 +29,11 @@ built-in engine's:
   the weights for the trainer's update; ``finish_weight_update`` wakes the weights before the
   reload and the KV cache after it (sleep.py).
 
+**Requests** (request_api.py): ``add_request`` / ``step`` / ``abort`` / ``release``, the
+built-in engine's request API, on vLLM's own scheduler (``llm.llm_engine``). A weight update
+holds the requests in flight (``step`` refuses; new ones wait outside vLLM); after it
+commits they continue, their KV recomputed with the new weights or kept (``kv_on_refit``).
+
 **Starting vLLM** (launch.py): the platform check, a config-only model directory and the KV
 cache size from the ``EngineSpec``. **Requests and outputs** (requests.py): one tagged
 ``n=1`` vLLM request per sample, outputs back as ``Rollouts``.
@@ -56,6 +61,7 @@ import torch
 
 from hybridrl.rollout.backend import (EngineSpec, WeightUpdateBracket, bucket_problems, describe_problems,
                                       expand_requests, listing)
+from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.rollouts import Rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.weight_update import WeightUpdateError
@@ -65,6 +71,7 @@ from hybridrl.vllm_backend.fp8 import vllm_quantization
 from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state, shutdown_llm
 from hybridrl.vllm_backend.launch import VLLM_DTYPES, check_platform, kv_cache_bytes, write_config_dir
 from hybridrl.vllm_backend.reload_check import reload_mismatches
+from hybridrl.vllm_backend.request_api import VllmRequests, check_kv_on_refit
 from hybridrl.vllm_backend.requests import rollouts_from_outputs, vllm_request
 from hybridrl.vllm_backend.routes import VllmWeightRoutes
 from hybridrl.vllm_backend.sleep import EngineSleep
@@ -83,12 +90,15 @@ class VllmEngine(WeightUpdateBracket):
     ``free_cache_engine``: :meth:`sleep` frees the KV cache until the next weight update.
     ``kv_cache_memory_bytes``: None sizes the KV cache from the spec (launch.py).
     ``seed``: vLLM's seed. ``check_reload``: check every reload (reload_check.py).
+    ``kv_on_refit``: requests in flight at a weight update: "recompute" their KV with the new
+    weights (default) or "keep" the old-weight KV (approximate); see request_api.py.
     ``llm_kwargs``: passed to ``vllm.LLM`` over ours (e.g. ``enable_prefix_caching``, True here).
     """
 
     def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = True,
                  free_cache_engine: bool = False, kv_cache_memory_bytes: int | None = None, seed: int = 0,
-                 check_reload: bool = True, **llm_kwargs):
+                 check_reload: bool = True, kv_on_refit: str = "recompute", **llm_kwargs):
+        check_kv_on_refit(kv_on_refit)
         on_cpu = torch.device(spec.device).type == "cpu"
         vllm_quant = vllm_quantization(spec.quantization, spec.dtype, on_cpu)  # one-line ValueError first
         if spec.dtype not in VLLM_DTYPES:
@@ -132,6 +142,7 @@ class VllmEngine(WeightUpdateBracket):
         self._broken: str | None = None  # why the weights vLLM holds cannot be trusted
         self.last_reload_seconds = 0.0
         self._requests = 0  # requests sent so far: each one's tag for the log-prob processor
+        self.requests = VllmRequests(self, kv_on_refit)  # add_request / step / abort
 
     def close(self) -> None:
         """Shut vLLM down and remove the config directory (the engine is unusable after)."""
@@ -153,7 +164,8 @@ class VllmEngine(WeightUpdateBracket):
         return self._staged is not None
 
     def begin_weight_update(self) -> None:
-        """Open an update (nothing reaches vLLM before ``finish_weight_update``)."""
+        """Open an update (nothing reaches vLLM before ``finish_weight_update``); requests in
+        flight hold until it closes (``step`` refuses meanwhile)."""
         if self._staged is not None:
             raise WeightUpdateError("a weight update of this engine is already in progress; finish or abort it first")
         self._staged = {}
@@ -173,6 +185,20 @@ class VllmEngine(WeightUpdateBracket):
         if self._staged is None:
             raise WeightUpdateError("finish: no weight update in progress; call engine.begin_weight_update() first")
         staged, self._staged = self._staged, None
+        try:
+            self._reload(staged, check)
+        except BaseException:
+            # nothing committed: held requests continue (or, if the weights broke, wait: step refuses)
+            self.requests.after_update(committed=False)
+            raise
+        self._weight_version += 1
+        # recompute / keep the requests in flight, reset vLLM's prefix cache (its cached KV
+        # blocks were computed with the old weights) when vLLM allows it, submit held requests
+        self.requests.after_update(committed=True)
+        return self._weight_version
+
+    def _reload(self, staged: dict[str, torch.Tensor], check: Callable[[], None] | None) -> None:
+        """Completeness, vLLM's reload, its check and ``check()``; raises if any fails."""
         missing = self.weight_routes.expected - staged.keys()
         if missing:
             raise WeightUpdateError(f"weight update incomplete: {len(missing)} weights never loaded: "
@@ -197,10 +223,6 @@ class VllmEngine(WeightUpdateBracket):
             self.weight_routes.clear_readback()
         self._broken = None
         self.sleep_state.wake("kv_cache")  # after the weights are final: nothing read it meanwhile
-        with preserve_torch_state():
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self._weight_version += 1
-        return self._weight_version
 
     def sleep(self) -> None:
         """Sampling is done until the next weight update: free the KV cache and offload the
@@ -209,6 +231,9 @@ class VllmEngine(WeightUpdateBracket):
         it; ``generate`` wakes whatever still sleeps. A no-op unless ``free_cache_engine``."""
         if self._staged is not None:
             raise WeightUpdateError("sleep: a weight update is in progress; finish or abort it first")
+        if self.sleep_state.enabled and self.requests.in_vllm:
+            raise RuntimeError(f"sleep: {self.requests.in_vllm} requests of add_request are in flight and sleeping "
+                               "frees their KV cache; step() them to completion or abort() them first")
         self.sleep_state.sleep()
 
     def _refresh_tied_head(self) -> None:
@@ -226,8 +251,10 @@ class VllmEngine(WeightUpdateBracket):
             method.process_weights_after_loading(head)
 
     def abort_weight_update(self) -> None:
-        """Close an open update without touching vLLM (it keeps the previous weights)."""
+        """Close an open update without touching vLLM (it keeps the previous weights); held
+        requests continue."""
         self._staged = None
+        self.requests.after_update(committed=False)
 
     def _stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         kept, problems = bucket_problems(self.weight_routes, named_tensors, self._staged)
@@ -271,13 +298,12 @@ class VllmEngine(WeightUpdateBracket):
     # ---- inference -----------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> Rollouts:
-        """Sample ``n`` responses per prompt (rows prompt-major); see ``Rollouts``."""
-        if "llm" not in self.__dict__:
-            raise RuntimeError("generate: this VllmEngine was closed")
-        if self._staged is not None:
-            raise WeightUpdateError("generate: a weight update is in progress; finish or abort it first")
-        if self._broken is not None:
-            raise WeightUpdateError(f"generate: {self._broken}; run a complete weight update (refit) first")
+        """Sample ``n`` responses per prompt (rows prompt-major); see ``Rollouts``. Refuses while
+        requests of ``add_request`` are in vLLM (``LLM.generate`` would step them too)."""
+        self._check_can_run("generate")
+        if self.requests.in_vllm:  # LLM.generate would run them too and swallow their outputs
+            raise RuntimeError(f"generate: {self.requests.in_vllm} requests of add_request are in flight; step() "
+                               "them to completion or abort() them first")
         samples = expand_requests(prompt_token_ids, params or SamplingParams(), self.max_seq_len, self.vocab_size)
         prompts = [prompt for prompt, _, _, _ in samples]
         temperatures = [p.temperature for _, p, _, _ in samples]
@@ -290,6 +316,54 @@ class VllmEngine(WeightUpdateBracket):
             lse = self.llm.collective_rpc(fvl.take_records)[0]
         return rollouts_from_outputs(prompts, outputs, temperatures, lse, first_tag, self.weight_version,
                                      self.pad_token_id)
+
+
+    def _check_can_run(self, what: str) -> None:
+        """vLLM may run a step: the engine is open, no update is open, its weights are trusted."""
+        if "llm" not in self.__dict__:
+            raise RuntimeError(f"{what}: this VllmEngine was closed")
+        if self._staged is not None:
+            raise WeightUpdateError(f"{what}: a weight update is in progress; finish or abort it first")
+        if self._broken is not None:
+            raise WeightUpdateError(f"{what}: {self._broken}; run a complete weight update (refit) first")
+
+    # ---- requests (request_api.py; the built-in RolloutEngine's signatures) ----------------
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None, *,
+                    parent: str | None = None, retain: bool = False) -> None:
+        """Queue one sample (``params.n == 1``). ``parent``: a finished request added with
+        ``retain=True`` whose prompt + response ``token_ids`` extends (vLLM's prefix cache
+        reuses its KV by itself; the parent is only validated). Allowed during a weight update:
+        the request reaches vLLM when the update closes."""
+        if "llm" not in self.__dict__:
+            raise RuntimeError("add_request: this VllmEngine was closed")
+        self.requests.add(request_id, token_ids, params, parent=parent, retain=retain,
+                          hold=self._staged is not None)
+
+    def step(self) -> StepOutput:
+        """One step of vLLM's scheduler: the requests that finished in it (complete outputs),
+        ``running``: those that got a token and continue."""
+        if self._staged is not None:
+            raise WeightUpdateError("step: a weight update is in progress; in-flight requests hold until "
+                                    "finish_weight_update() or abort_weight_update()")
+        self._check_can_run("step")
+        self.sleep_state.ensure_awake()  # a sleeping engine's scheduler would never run a request
+        return self.requests.step()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a waiting or running request: its output so far (finish_reason "abort"), or
+        None if no such request is waiting or running (e.g. it already finished)."""
+        return self.requests.abort(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Forget a retained finished request (its conversation ends); True if it was retained."""
+        return self.requests.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.requests.has_unfinished()
+
+    @property
+    def kv_on_refit(self) -> str:
+        return self.requests.kv_on_refit
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
