@@ -124,6 +124,12 @@ class RolloutConfig:
                                  "docs/vllm.md)")
     free_cache_engine: bool = _f(False, "vllm backend: sleep the engine after sampling (KV cache freed, weights "
                                         "offloaded to host) until the refit wakes it; frees GPU memory for the update")
+    kv_on_refit: str = _f("recompute", "requests in flight at a weight update: recompute their KV with the new "
+                                       "weights (exact) | keep the old KV (an approximation; faster)")
+    max_prefill_tokens: int = _f(2048, "built-in engine: new prompt tokens prefilled per scheduler step (decoding "
+                                       "rows are never starved by long prompts)")
+    prefix_cache_mb: int = _f(256, "built-in engine: memory for retained conversation prefixes (multi-turn "
+                                   "requests continue without re-prefill; least recently used evicted)")
 
     def __post_init__(self) -> None:
         from hybridrl.rollout.sampling_params import SamplingParams
@@ -147,6 +153,10 @@ class RolloutConfig:
         if self.backend == "vllm" and self.quantization not in (None, "fp8"):
             raise ConfigError(f"rollout.quantization={self.quantization} is built-in-engine only; with "
                               "rollout.backend=vllm use null or fp8")
+        if self.kv_on_refit not in ("recompute", "keep"):
+            raise ConfigError(f"rollout.kv_on_refit={self.kv_on_refit!r}: use recompute (exact) or keep")
+        check_number(self.max_prefill_tokens, "rollout.max_prefill_tokens", low=1)
+        check_number(self.prefix_cache_mb, "rollout.prefix_cache_mb", low=0)
         if self.free_cache_engine and self.backend != "vllm":
             raise ConfigError("rollout.free_cache_engine sleeps a vLLM engine; set rollout.backend=vllm "
                               "(the built-in engine's static KV cache stays allocated)")

@@ -164,10 +164,12 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
         from hybridrl.vllm_backend import VllmEngine
 
         return VllmEngine(hf_config, spec, seed=t.seed, enforce_eager=r.enforce_eager,
-                          free_cache_engine=r.free_cache_engine)
+                          free_cache_engine=r.free_cache_engine, kv_on_refit=r.kv_on_refit)
     from hybridrl.rollout import RolloutEngine
 
-    return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay)
+    return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,
+                         kv_on_refit=r.kv_on_refit, max_prefill_tokens=r.max_prefill_tokens,
+                         prefix_cache_bytes=r.prefix_cache_mb << 20)
 
 
 def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tuple]:
