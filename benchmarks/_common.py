@@ -343,11 +343,13 @@ class PlainVllm:
               f"compilation {self.compilation_mode}, {torch.get_num_threads()} threads", flush=True)
 
     def generate(self, prompt_token_ids: list[list[int]], params):
+        """``params``: one ``SamplingParams`` or one per prompt."""
         sp = self._vllm.SamplingParams
-        requests = [sp(n=params.n, temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else 0,
-                       top_p=params.top_p, max_tokens=min(params.max_tokens, self.max_seq_len - len(p)),
-                       stop_token_ids=list(params.stop_token_ids), ignore_eos=not params.stop_token_ids,
-                       logprobs=0, detokenize=False) for p in prompt_token_ids]
+        each = params if isinstance(params, list) else [params] * len(prompt_token_ids)
+        requests = [sp(n=q.n, temperature=q.temperature, top_k=q.top_k if q.top_k > 0 else 0,
+                       top_p=q.top_p, max_tokens=min(q.max_tokens, self.max_seq_len - len(p)),
+                       stop_token_ids=list(q.stop_token_ids), ignore_eos=not q.stop_token_ids,
+                       logprobs=0, detokenize=False) for p, q in zip(prompt_token_ids, each)]
         return self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], requests,
                                  use_tqdm=False)
 

@@ -30,7 +30,11 @@ Cases:
 - the RL default job's rollout (`hybridrl train` defaults: 32 prompts x n=8 of 5-9 tokens,
   <= 8 new, stop on eos) vs HF and vs both vLLMs (goal: >= 3x vLLM, issue #14); ours and
   the vLLMs first run warm-up generates;
-- finished rows compacted out of the batch vs the same engine without compaction;
+- continuous batching (issue #23, ``_continuous.py``): a long tail of heavy-tailed response
+  lengths vs the run-to-completion loop it replaced (same engine, same tokens) and vs plain
+  ``vllm.LLM`` (full runs); continuing a ~1,000-token conversation by a 32-token turn vs
+  re-prefilling it; the RL job and batch 1 vs run-to-completion (no regression); a refit
+  mid-generation with ``kv_on_refit=keep`` vs ``recompute`` (time, and agreement with exact);
 - the tiny and the small (56M) Qwen2 at batch 1 / 16 / 64 vs HF, the small one also vs
   both vLLMs (one engine of each serves every batch; ``--quick``: our VllmEngine only, plain
   ``vllm.LLM`` compiles for ~30 s on 2 cores for this model), and at batch 1 vs the
@@ -57,6 +61,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _continuous  # noqa: E402
 from _common import (SMALL, VLLM, VLLM_PLAIN, PlainVllm, best_interleaved, format_table, goal_line,  # noqa: E402
                      interleaved_times, median, moe_model, parse_args, report, rl_job, row, speedup, start_vllm,
                      vllm_name, vllm_unavailable, warm)
@@ -231,28 +236,47 @@ def bench_rl_job(dtype: torch.dtype, repeats: int, *, warm_calls: int = 0, with_
     return out
 
 
-def bench_compaction(dtype: torch.dtype, repeats: int, new_tokens: int) -> list[dict]:
-    """Finished rows stop costing compute: batch 64 whose rows stop at varied lengths (random
-    init, vocab 64, stop token 1: geometric lengths), compaction on vs off, same seeds."""
-    hf = dense_model("tiny", dtype)
-    prompts = [torch.randint(2, 64, (32,)).tolist() for _ in range(64)]
-    engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=64, max_seq_len=32 + new_tokens, dtype=dtype))
-    engine.load_weights(hf.named_parameters())
-    params = [SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(1,), seed=i) for i in range(64)]
-
-    def run(compact: bool):
-        engine.compact_finished_rows = compact
-        return engine.generate(prompts, params)
-
-    on, off = run(True), run(False)
-    assert on.response_token_ids == off.response_token_ids, "compaction changed the samples"
-    tokens = sum(map(len, on.response_token_ids))
-    with torch.inference_mode():
-        t_on, t_off = best_interleaved([lambda: run(True), lambda: run(False)], repeats)
-    engine.compact_finished_rows = True
-    return [row(case=f"compaction b=64 T<={new_tokens} (mean len {tokens / 64:.0f})", metric="tokens/s",
-                ours=tokens / t_on, baseline=tokens / t_off, baseline_name="same engine, no compaction",
-                higher_is_better=True)]
+def bench_continuous(dtype: torch.dtype, quick: bool, with_vllm: bool) -> list[dict]:
+    """Issue #23: the long tail (vs run-to-completion and vLLM), continuing a conversation (vs
+    re-prefill), the RL job and batch 1 (no regression vs run-to-completion), and what
+    ``kv_on_refit=keep`` costs in exactness and saves in time (``_continuous.py``)."""
+    tiny, small = dense_model("tiny", dtype), dense_model("small", dtype)
+    if quick:
+        tail = dict(hf=tiny, count=64, rows=16, cap=128, scale=4, repeats=2)
+        talk = dict(hf=tiny, history=1000, turn=32, reply=16, repeats=3)
+        one, refit = (("tiny", tiny, 32), ("small", small, 16)), dict(hf=tiny, requests=8, tokens=32, refit_after=8)
+    else:
+        tail = dict(hf=small, count=256, rows=64, cap=512, scale=16, repeats=2)
+        talk = dict(hf=small, history=1000, turn=32, reply=32, repeats=5)
+        one, refit = (("tiny", tiny, 128), ("small", small, 128)), dict(hf=small, requests=16, tokens=64,
+                                                                        refit_after=16)
+    rows: list[dict] = []
+    vllm = None
+    if with_vllm and not quick:  # vLLM as its users run it: its own scheduler, compiled (~30 s to start)
+        vllm = PlainVllm(tail["hf"], max_batch_size=tail["rows"], max_seq_len=48 + tail["cap"], dtype=dtype)
+    try:
+        rows += _continuous.bench_long_tail(**tail, vllm=vllm, vllm_label=vllm_name(VLLM_PLAIN) if vllm else "")
+    finally:
+        if vllm is not None:
+            vllm.close()
+    print(format_table(rows), flush=True)
+    rows += _continuous.bench_conversation(**talk)
+    hf, prompts, params = rl_job(dtype)
+    job = RolloutEngine(hf.config, EngineSpec(max_batch_size=len(prompts) * params.n,
+                                              max_seq_len=max(map(len, prompts)) + params.max_tokens, dtype=dtype))
+    job.load_weights(hf.named_parameters())
+    cases = [(RL_CASE, job, prompts, params, len(prompts) * params.n, "rollouts/s")]
+    for name, model, new_tokens in one:
+        engine = RolloutEngine(model.config, EngineSpec(max_batch_size=1, max_seq_len=PROMPT_LEN + new_tokens,
+                                                        dtype=dtype))
+        engine.load_weights(model.named_parameters())
+        prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+        cases.append((f"{name} b=1 T={new_tokens}", engine, prompt.tolist(),
+                      SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0), new_tokens, "tokens/s"))
+    rows += _continuous.bench_no_regression(cases, 10 if quick else 20)
+    rows += _continuous.bench_kv_on_refit(**refit, noise=1e-2, repeats=2)
+    print(format_table(rows[-len(cases) - 3:]), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -271,13 +295,13 @@ def main() -> None:
     # shape) and no plain vllm.LLM for the small model (its compile: ~30 s on 2 cores).
     if args.quick:
         batches, new_tokens, repeats, caches, small_vllms = (1, 16), 16, 3, ("dynamic",), ("engine",)
-        rl_repeats, rl_warm, compaction_tokens = 3, 8, 64
+        rl_repeats, rl_warm = 3, 8
     else:
         batches, new_tokens, repeats, caches, small_vllms = (1, 16, 64), 128, 5, ("dynamic", "static"), \
             ("engine", "plain")
-        rl_repeats, rl_warm, compaction_tokens = 10, 16, 128
+        rl_repeats, rl_warm = 10, 16
     rows = bench_rl_job(dtype, rl_repeats, warm_calls=rl_warm, with_vllm=not no_vllm)
-    rows += bench_compaction(dtype, repeats, compaction_tokens)
+    rows += bench_continuous(dtype, args.quick, with_vllm=not no_vllm)
     print(format_table(rows), flush=True)
     for name, hf in (("tiny", dense_model("tiny", dtype)), ("small", dense_model("small", dtype))):
         rows += bench_model(name, hf, batches, new_tokens, repeats, caches=caches,
