@@ -1,0 +1,162 @@
+"""Episodes token-in/token-out with Qwen's real BPE and ChatML templates: the trained ids are
+the sampled ids turn by turn, the mask is 0 exactly on environment spans, the trainer's
+log-probs on the sampled tokens equal the engine's, and the template check catches
+templates that rewrite the history."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from hybridrl.agents.chat_render import ChatRenderer, TemplateError, check_template
+from hybridrl.agents.episodes import EpisodeLimits, EpisodeRunner, truncate_middle
+from hybridrl.agents.types import EnvStep
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+from tests.agents.qwen_chat import CHATML, QWEN3_STYLE, TRIMS, qwen_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return qwen_tokenizer(CHATML)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=64, max_position_embeddings=1024,
+                                   tie_word_embeddings=False)
+    m = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # <|im_end|>'s logit ~10.5 where the rest are ~N(0, 1): p ~ 0.1, turns end
+        h = m.model(torch.randint(0, len(tok), (4, 64))).last_hidden_state.mean(dim=(0, 1))
+        m.lm_head.weight[tok.convert_tokens_to_ids("<|im_end|>")] = h * (10.5 / h.dot(h))
+    return m
+
+
+class EchoEnv:
+    """A tool-like environment: each turn gets a tool message (random text, sometimes long)
+    until turn 3, then done."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.turns = {}
+
+    def reset(self, eids, rows):
+        for e in eids:
+            self.turns[e] = 0
+        return [EnvStep(messages=[{"role": "user", "content": r["prompt"]}]) for r in rows]
+
+    def step(self, items):
+        out = []
+        for eid, text in items:
+            self.turns[eid] += 1
+            words = " ".join(self.rng.choice(["sum", "42", "é", "tool", "\n", "{x}", "résultat"])
+                             for _ in range(self.rng.randint(1, 40)))
+            done = self.turns[eid] >= 3
+            out.append(EnvStep(messages=[] if done else [{"role": "tool", "name": "echo", "content": words}],
+                               reward=1.0 if done else 0.0, done=done, final_answer=text if done else None))
+        return out
+
+    def end(self, eid):
+        self.turns.pop(eid, None)
+
+
+def _engine(model, max_seq_len=768):
+    engine = RolloutEngine(model.config, EngineSpec(max_batch_size=4, max_seq_len=max_seq_len))
+    engine.load_weights(model.named_parameters())
+    return engine
+
+
+class Recording:
+    """The engine's outputs as they come (to compare the trained ids with what was sampled)."""
+
+    def __init__(self, engine):
+        self.engine, self.outputs = engine, {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        out = self.engine.step()
+        for o in out.finished:
+            self.outputs[o.request_id] = o
+        return out
+
+
+def test_trained_ids_are_the_sampled_ids_and_the_mask_is_zero_on_environment_spans(tok, model):
+    engine = Recording(_engine(model))
+    renderer = ChatRenderer(tok)
+    env = EchoEnv(seed=random.randrange(1 << 30))
+    runner = EpisodeRunner(engine, env, renderer, tok, SamplingParams(temperature=1.0, max_tokens=24),
+                           EpisodeLimits(max_turns=5, tool_response_tokens=16))
+    rows = [{"prompt": "Compute 12 + 30 with the tool."}, {"prompt": "Say hello in French."}]
+    trajs = runner.run(rows, n=2, seeds=[random.randrange(1 << 30) for _ in rows])
+    assert len(trajs) == 4 and any(t.num_turns > 1 for t in trajs)
+    for t in trajs:
+        sampled_mask = [0] * len(t.ids)
+        for k, (a, b) in enumerate(t.turns):
+            out = engine.outputs[f"{t.episode_id}/t{k}"]
+            assert t.ids[a:b] == out.token_ids  # exactly what the engine sampled
+            assert t.logprobs[a:b] == out.logprobs and t.versions[a:b] == out.token_versions
+            sampled_mask[a:b] = [1] * (b - a)
+            if k + 1 < len(t.turns):  # between turns: the tool message rendered on its own, never trained
+                env_span = t.ids[b:t.turns[k + 1][0]]
+                assert env_span and tok.decode(env_span).startswith("\n<|im_start|>user\n<tool_response>")
+        assert t.loss_mask == sampled_mask
+        if t.status == "ok":  # the whole episode re-rendered by the template is the appended ids
+            msgs = [{"role": "user", "content": rows[t.row]["prompt"]}]
+            text = tok.decode(t.ids[len(t.prompt_ids):])
+            assert tok.decode(t.ids).startswith(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            assert text.count("<|im_end|>") >= t.num_turns
+
+
+def test_the_trainers_log_probs_on_sampled_tokens_equal_the_engines(tok, model):
+    engine = _engine(model)
+    runner = EpisodeRunner(engine, EchoEnv(seed=1), ChatRenderer(tok), tok,
+                           SamplingParams(temperature=1.0, max_tokens=16), EpisodeLimits(max_turns=4))
+    trajs = runner.run([{"prompt": "Hi there, use the echo tool."}], n=3, seeds=[random.randrange(1 << 30)])
+    for t in trajs:
+        ids = torch.tensor([t.ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits.double(), dim=-1)[0]
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        ours = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0][mask[1:]]
+        engine_lp = torch.tensor(t.logprobs, dtype=torch.float64)[mask]
+        torch.testing.assert_close(ours, engine_lp, rtol=0, atol=1e-5)
+
+
+def test_the_template_check_passes_chatml_and_names_what_rewriting_templates_do(tok):
+    check_template(ChatRenderer(tok))
+    with pytest.raises(TemplateError, match="strips the <think> blocks") as e:
+        check_template(ChatRenderer(qwen_tokenizer(QWEN3_STYLE)), "qwen3-style")
+    assert "\n" not in str(e.value) and "prefix-preserving template" in str(e.value)
+    with pytest.raises(TemplateError, match="trims the whitespace") as e:
+        check_template(ChatRenderer(qwen_tokenizer(TRIMS)), "trimming")
+    assert "\n" not in str(e.value)
+
+
+def test_tool_responses_are_cut_in_the_middle_and_an_exact_fit_is_kept(tok):
+    ids = tok.encode(" ".join(str(i) for i in range(200)), add_special_tokens=False)
+    same, marker = truncate_middle(ids, len(ids), tok)
+    assert same == ids and marker is None
+    cut, marker = truncate_middle(ids, 40, tok)
+    assert len(cut) <= 40 and cut[:5] == ids[:5] and cut[-5:] == ids[-5:] and "tokens cut" in tok.decode(cut)
+
+
+def test_turn_and_context_limits_end_episodes_truncated(tok, model):
+    engine = _engine(model, max_seq_len=160)
+
+    class Endless(EchoEnv):
+        def step(self, items):
+            return [EnvStep(messages=[{"role": "tool", "name": "echo", "content": "more " * 8}]) for _ in items]
+
+    for limits, why in ((EpisodeLimits(max_turns=2), "turns"), (EpisodeLimits(max_turns=50), "context")):
+        runner = EpisodeRunner(engine, Endless(seed=0), ChatRenderer(tok), tok,
+                               SamplingParams(temperature=0.0, max_tokens=8), limits)
+        (t,) = runner.run([{"prompt": "go"}], n=1, seeds=[3])
+        assert t.status == "truncated"
+        assert t.num_turns == 2 if why == "turns" else len(t.ids) < 160
+    assert not engine.has_unfinished_requests() and not engine.scheduler.prefixes.entries  # nothing left behind
