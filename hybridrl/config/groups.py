@@ -199,6 +199,32 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class EnvConfig:
+    name: str | None = _f(None, "multi-turn agent: an environment class (reset/step) or a tools class (its public "
+                                "methods are the tools, the answer scored by reward.functions): "
+                                "path/to/env.py:ClassName or module:ClassName; null = one answer per prompt")
+    max_turns: int = _f(8, "sampled turns per episode")
+    max_tool_calls: int = _f(4, "tool calls per turn (more are answered with an error)")
+    tool_response_tokens: int = _f(256, "a tool message longer than this is cut in the middle, with a marker")
+    context_tokens: int = _f(1024, "tokens per episode (prompt, turns, tool messages); the episode ends truncated")
+    timeout_s: float = _f(10.0, "seconds per environment / tool call (in a worker process)")
+    workers: int = _f(2, "worker processes for environment and tool calls")
+    memory_limit_mb: int | None = _f(None, "memory cap of each worker; null = none")
+    parser: str = _f("hermes", "tool-call format: hermes (<tool_call>{json}</tool_call>) or path/to/file.py:fn")
+    system_prompt: str | None = _f(None, "a system message opening every episode")
+    discount: float = _f(1.0, "environment turn rewards: 1 = summed, < 1 = discounted from the last turn back")
+
+    def __post_init__(self) -> None:
+        check_number(self.max_turns, "env.max_turns", low=1)
+        check_number(self.max_tool_calls, "env.max_tool_calls", low=1)
+        check_number(self.tool_response_tokens, "env.tool_response_tokens", low=8)
+        check_number(self.context_tokens, "env.context_tokens", low=16)
+        check_number(self.timeout_s, "env.timeout_s", low=0, low_open=True)
+        check_number(self.workers, "env.workers", low=1)
+        check_number(self.discount, "env.discount", low=0, high=1)
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -214,8 +240,12 @@ class Config:
     refit: RefitConfig = field(default_factory=RefitConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
+        if self.env.name is not None and self.algo.dapo.dynamic_sampling:
+            raise ConfigError("algo.dapo.dynamic_sampling with env.name: refilling a batch with episodes is not "
+                              "supported yet; turn one of them off")
         batch = self.batch.prompts_per_step * self.rollout.n
         if self.batch.mini_batch_size is None:
             self.batch.mini_batch_size = batch

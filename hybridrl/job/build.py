@@ -146,9 +146,32 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
                                         device=device)
     rollout.refit(model)  # first load = the refit path
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
-    return RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
+    step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
                   train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0),
                   dp=dp)
+    if cfg.env.name is not None:
+        step.episodes = build_episode_sampler(cfg, engine, tokenizer, step.scorer, rollout.sampling)
+    return step
+
+
+def build_episode_sampler(cfg: Config, engine, tokenizer, scorer, sampling):
+    """``env.*``: the environment pool, the chat renderer (checked: the template must render a
+    conversation as its turns appended) and the episode runner on the run's engine."""
+    from hybridrl.agents.chat_render import ChatRenderer, check_template
+    from hybridrl.agents.env_pool import EnvPool
+    from hybridrl.agents.episodes import EpisodeLimits, EpisodeRunner
+    from hybridrl.trainer.episode_sampler import EpisodeSampler
+
+    e = cfg.env
+    pool = EnvPool(e.name, workers=e.workers, timeout_s=e.timeout_s, memory_limit_mb=e.memory_limit_mb,
+                   max_tool_calls=e.max_tool_calls, parser=e.parser, system_prompt=e.system_prompt)
+    renderer = ChatRenderer(tokenizer, pool.schemas)
+    check_template(renderer, name=f"the tokenizer's ({cfg.model.path or 'built-in'})")
+    limits = EpisodeLimits(max_turns=e.max_turns, tool_response_tokens=e.tool_response_tokens,
+                           context_tokens=e.context_tokens)
+    runner = EpisodeRunner(engine, pool, renderer, tokenizer, sampling, limits)
+    return EpisodeSampler(runner, scorer, scores_final_answer=pool.kind == "tools", discount=e.discount,
+                          failure_reward=cfg.reward.failure_reward)
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int):
@@ -158,7 +181,7 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
 
     r, t = cfg.rollout, cfg.trainer
     spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks, 256),
-                      max_seq_len=longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
+                      max_seq_len=cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
                       quantization=r.quantization)
     if r.backend == "vllm":
         from hybridrl.vllm_backend import VllmEngine

@@ -106,6 +106,8 @@ def train(cfg: Config) -> TrainResult:
     finally:
         run.log.close()
         run.step.scorer.close()
+        if run.step.episodes is not None:  # the environment's worker processes
+            run.step.episodes.runner.env_pool.close()
         run.directory.close()
         close = getattr(run.step.rollout.engine, "close", None)  # vLLM's engine holds processes / a group
         if close is not None:

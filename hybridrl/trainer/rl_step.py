@@ -65,6 +65,7 @@ class RLStep:
         self.reference: Reference | None = None
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
         self.dp = dp  # data parallel: this rank's share of every batch
+        self.episodes = None  # an EpisodeSampler when the run trains an agent (env.name)
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -178,6 +179,11 @@ class RLStep:
         unless it is a trusted built-in) as soon as its ``n`` samples finished, while later
         groups still decode. Same prompts, seeds, tokens and scores as the two phases in turn.
         Phase "rollout" is the generation, "reward" the scoring still left after it."""
+        if self.episodes is not None:
+            batch_idx, seeds = self._draw(rng)
+            with timer.phase("rollout"):
+                return self.episodes.sample(self.train_set, batch_idx, seeds, self.shape.samples_per_prompt,
+                                            self.rollout.device)
         if not hasattr(self.rollout.engine, "add_request"):
             with timer.phase("rollout"):
                 sb = self.sample(rng)
@@ -347,4 +353,5 @@ def step_metrics(sb: StepBatch, timer: PhaseTimer) -> dict[str, float]:
     }
     out.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
     out.update({f"reward/{k}": v for k, v in sb.extras.items()})
+    out.update(sb.episode_metrics)
     return out

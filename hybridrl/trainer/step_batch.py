@@ -33,6 +33,7 @@ class StepBatch:
     failures: int = 0  # reward calls that failed (scored 0)
     extras: dict[str, float] = field(default_factory=dict)  # reward-reported metrics (batch means)
     loss_mask: torch.Tensor | None = None  # [B, L] the response tokens the losses count (after corrections)
+    episode_metrics: dict[str, float] = field(default_factory=dict)  # agent runs: turns, tool calls, ...
 
     @classmethod
     def from_rollouts(cls, batch_idx: list[int], index: list[int], ro: Rollouts) -> "StepBatch":
