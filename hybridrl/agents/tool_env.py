@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import pickle
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -243,7 +244,8 @@ class ToolEnvironment:
                 errors[outcome.error] += 1
         return EnvStep(messages=messages, tool_calls=len(plan.slots), tool_errors=dict(errors))
 
-    # in-process use (no isolation): EnvPool runs each call in a worker instead
+    # in-process use (no isolation, no timeout; the instance must pickle, as in EnvPool):
+    # EnvPool runs each call in a worker instead
     def reset(self, row: dict) -> list[dict]:
         self.instance = self.cls()
         return self.opening_messages(row)
@@ -252,4 +254,11 @@ class ToolEnvironment:
         if self.instance is None:
             raise RuntimeError("ToolEnvironment.step before reset(); call reset(row) first")
         plan = self.plan(text)
-        return self.finish(plan, {i: run_tool(self.instance, call) for i, call in plan.to_run()})
+        outcomes = {}
+        for i, call in plan.to_run():
+            # as in EnvPool: a failed call leaves the state it started from
+            before = pickle.dumps(self.instance, protocol=pickle.HIGHEST_PROTOCOL)
+            outcomes[i] = run_tool(self.instance, call)
+            if outcomes[i].error is not None:
+                self.instance = pickle.loads(before)
+        return self.finish(plan, outcomes)
