@@ -114,18 +114,24 @@ def test_trained_ids_are_the_sampled_ids_and_the_mask_is_zero_on_environment_spa
 
 
 def test_the_trainers_log_probs_on_sampled_tokens_equal_the_engines(tok, model):
+    """The trainer's own batched log-prob pass over the step's rollouts (padded, several
+    episodes, environment spans masked) against the engine's sampling log-probs, fp32."""
+    from hybridrl.agents.trajectory import trajectories_to_rollouts
+    from hybridrl.trainer.logprobs import logprobs_in_microbatches
+
     engine = _engine(model)
     runner = EpisodeRunner(engine, EchoEnv(seed=1), ChatRenderer(tok), tok,
                            SamplingParams(temperature=1.0, max_tokens=16), EpisodeLimits(max_turns=4))
-    trajs = runner.run([{"prompt": "Hi there, use the echo tool."}], n=3, seeds=[random.randrange(1 << 30)])
-    for t in trajs:
-        ids = torch.tensor([t.ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits.double(), dim=-1)[0]
-        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        ours = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0][mask[1:]]
-        engine_lp = torch.tensor(t.logprobs, dtype=torch.float64)[mask]
-        torch.testing.assert_close(ours, engine_lp, rtol=0, atol=1e-5)
+    trajs = runner.run([{"prompt": "Hi there, use the echo tool."}, {"prompt": "Again."}], n=2,
+                       seeds=[random.randrange(1 << 30) for _ in range(2)])
+    ro = trajectories_to_rollouts(trajs, pad_token_id=tok.pad_token_id)
+    trained, _ = logprobs_in_microbatches(model, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                          temperature=1.0, max_tokens=4096)
+    mask = ro.response_mask.bool()
+    assert int(mask.sum()) == sum(t.trained_tokens for t in trajs) > 0
+    torch.testing.assert_close(trained[mask], ro.logprobs[mask], rtol=0, atol=1e-5)
+    for b, t in enumerate(trajs):  # the environment spans are in the sequence, never in the mask
+        assert ro.input_ids[b, :len(t.ids)].tolist() == t.ids and ro.response_mask[b, len(t.ids):].sum() == 0
 
 
 def test_the_template_check_passes_chatml_and_names_what_rewriting_templates_do(tok):
