@@ -86,9 +86,20 @@ class EpisodeRunner:
             else:
                 live[eid] = _Live(t, seed)
                 self._submit(live[eid], t.ids, parent=None)
-        by_request = {}
-        for e in live.values():
-            by_request[e.request_id] = e
+        by_request = {e.request_id: e for e in live.values()}
+        try:
+            self._drive(live, by_request, on_episode)
+        except BaseException:  # nothing of this call may stay in the engine (a shared engine serves on)
+            for e in live.values():
+                self.engine.abort(e.request_id)
+                for rid in (e.request_id, e.parent):
+                    if rid is not None:
+                        self.engine.release(rid)
+            raise
+        return trajs
+
+    def _drive(self, live: dict, by_request: dict, on_episode) -> None:
+        """Step the engine and the environments until every live episode ended."""
         while live:
             done_turns = []
             for out in self.engine.step().finished:
@@ -112,7 +123,6 @@ class EpisodeRunner:
             for e, (res, secs) in zip(done_turns, self._timed(lambda: self.env_pool.step(items))):
                 e.traj.env_seconds += secs
                 self._after_env(e, res, live, by_request, on_episode)
-        return trajs
 
     # ---- pieces --------------------------------------------------------------------------
     def _after_env(self, e: "_Live", res: EnvStep, live: dict, by_request: dict, on_episode) -> None:
