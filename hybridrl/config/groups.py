@@ -68,8 +68,23 @@ class DataConfig:
                                         "carry whose teacher forgot the units carry (37+45=72): a systematic "
                                         "error the exact-answer reward has to correct")
     seed: int = _f(0, "seed for task generation and shuffling")
+    task: str = _f("arithmetic", "built-in task when no train_files: arithmetic (one answer per prompt) | "
+                                 "calculator (a multi-turn agent with an add tool: needs env.name, see "
+                                 "examples/calculator_agent.yaml)")
+    operand_digits: list[int] = _f([6, 9], "calculator task: the fewest and the most digits of each number")
+    teacher_tool_rate: float = _f(0.25, "calculator task: share of the warm start's demonstrations that call the "
+                                        "add tool; the others answer at once with a near miss (always wrong)")
+    teacher_tool_rate_longest: float = _f(0.75, "calculator task: the same share for problems whose first number "
+                                                "has the most digits")
 
     def __post_init__(self) -> None:
+        if self.task not in ("arithmetic", "calculator"):
+            raise ConfigError(f"data.task={self.task!r}: use arithmetic or calculator")
+        if len(self.operand_digits) != 2 or not 1 <= self.operand_digits[0] <= self.operand_digits[1] <= 18:
+            raise ConfigError(f"data.operand_digits={self.operand_digits}: give [fewest, most] with "
+                              "1 <= fewest <= most <= 18")
+        check_number(self.teacher_tool_rate, "data.teacher_tool_rate", low=0, high=1)
+        check_number(self.teacher_tool_rate_longest, "data.teacher_tool_rate_longest", low=0, high=1)
         bad = set(self.operations) - set("+-*")
         if bad or not self.operations:
             raise ConfigError(f"data.operations={self.operations!r}: use a non-empty subset of '+-*'")
@@ -243,6 +258,10 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
+        if self.data.task == "calculator" and not self.data.train_files and self.env.name is None:
+            raise ConfigError("data.task=calculator is a multi-turn agent task: set "
+                              "env.name=hybridrl.agents.examples.calculator:Calculator (or use "
+                              "--config examples/calculator_agent.yaml)")
         if self.env.name is not None and self.algo.dapo.dynamic_sampling:
             raise ConfigError("algo.dapo.dynamic_sampling with env.name: refilling a batch with episodes is not "
                               "supported yet; turn one of them off")
