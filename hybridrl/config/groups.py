@@ -71,20 +71,18 @@ class DataConfig:
     task: str = _f("arithmetic", "built-in task when no train_files: arithmetic (one answer per prompt) | "
                                  "calculator (a multi-turn agent with an add tool: needs env.name, see "
                                  "examples/calculator_agent.yaml)")
-    operand_digits: list[int] = _f([6, 9], "calculator task: the fewest and the most digits of each number")
+    operand_digits: int = _f(7, "calculator task: digits of each number (and of their sum)")
     teacher_tool_rate: float = _f(0.25, "calculator task: share of the warm start's demonstrations that call the "
-                                        "add tool; the others answer at once with a near miss (always wrong)")
-    teacher_tool_rate_longest: float = _f(0.75, "calculator task: the same share for problems whose first number "
-                                                "has the most digits")
+                                        "add tool; the others answer at once with an estimate (always wrong)")
+    teacher_tool_rate_big: float = _f(0.75, "calculator task: the same share for problems whose first number starts "
+                                            "with 7 or 8 (they look big)")
 
     def __post_init__(self) -> None:
         if self.task not in ("arithmetic", "calculator"):
             raise ConfigError(f"data.task={self.task!r}: use arithmetic or calculator")
-        if len(self.operand_digits) != 2 or not 1 <= self.operand_digits[0] <= self.operand_digits[1] <= 18:
-            raise ConfigError(f"data.operand_digits={self.operand_digits}: give [fewest, most] with "
-                              "1 <= fewest <= most <= 18")
+        check_number(self.operand_digits, "data.operand_digits", low=2, high=18)
         check_number(self.teacher_tool_rate, "data.teacher_tool_rate", low=0, high=1)
-        check_number(self.teacher_tool_rate_longest, "data.teacher_tool_rate_longest", low=0, high=1)
+        check_number(self.teacher_tool_rate_big, "data.teacher_tool_rate_big", low=0, high=1)
         bad = set(self.operations) - set("+-*")
         if bad or not self.operations:
             raise ConfigError(f"data.operations={self.operations!r}: use a non-empty subset of '+-*'")

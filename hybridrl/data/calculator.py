@@ -1,18 +1,24 @@
-"""The built-in agent task: additions of long numbers (``48213977+603512=``) that a tiny model
+"""The built-in agent task: additions of long numbers (``4821397+3035126=``) that a tiny model
 cannot do in its head but can do with the ``add`` tool (``agents/examples/calculator.py``),
 and the imperfect teacher whose demonstrations warm-start it.
 
 An episode the task rewards has two turns: the model calls the tool
-(``<tool_call>{"name":"add","arguments":{"a":48213977,"b":603512}}</tool_call>``), the tool
-message brings the sum, the model answers it (exact match). The teacher knows this, but
-trusts its head arithmetic too much: it calls the tool on ``teacher_tool_rate`` of the
-problems, on ``teacher_tool_rate_longest`` of those whose first number has the most
-digits, and otherwise answers at once with a near miss (the sum with one digit off by
-one), which is always wrong. Imitation learns the teacher's habit; only the reward can
+(``<tool_call>{"name":"add","arguments":{"a":4821397,"b":3035126}}</tool_call>``), the tool
+message brings the sum, the model answers it. The reward is ``last_number`` (the last
+integer of the final answer equals the sum).
+
+The teacher trusts its head arithmetic too much: it calls the tool on ``tool_rate`` of the
+problems (``tool_rate_big`` of those whose first number starts with 7 or 8, which look
+big), and otherwise answers at once with an estimate, ``~`` and the sum with one digit off
+by one — always wrong. Imitation learns the habit, and its greedy policy follows the
+teacher's majority: estimate, except on the big-looking problems. Only the reward can
 teach that the calculator is worth calling every time.
 
-Prompts are drawn deterministically from a seed; the held-out split is disjoint from the
-training split (no prompt string appears in both).
+Both numbers have ``digits`` digits and so does their sum (no carry out of the top digit):
+every digit the model copies (prompt -> tool call, tool message -> answer) sits at a fixed
+distance from its source, a pattern a 2-layer char-level model learns in a few hundred
+supervised steps. Prompts are drawn deterministically from a seed; the held-out split is
+disjoint from the training split (no prompt string appears in both).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import random
 from dataclasses import dataclass
 
 TOOL = "add"
+ESTIMATE = "~"  # what the teacher writes before a head estimate
 
 
 @dataclass(frozen=True)
@@ -34,8 +41,8 @@ class CalcExample:
     b: int
     tool_rate: float
     """the teacher's probability of calling the tool on this problem."""
-    guess: str
-    """the teacher's head answer: the sum with one digit off by one (never right)."""
+    estimate: str
+    """the teacher's head answer: ``~`` and the sum with one digit off by one (never right)."""
 
     def tool_call_text(self) -> str:
         """The assistant turn that calls the tool (Hermes format, compact JSON)."""
@@ -43,12 +50,8 @@ class CalcExample:
         return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
 
     def teacher_turns(self, uses_tool: bool) -> list[str]:
-        """The teacher's assistant turns: a tool call then the tool's result, or the guess."""
-        return [self.tool_call_text(), self.answer] if uses_tool else [self.guess]
-
-
-def _number(rng: random.Random, digits: int) -> int:
-    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+        """The teacher's assistant turns: a tool call then the tool's result, or the estimate."""
+        return [self.tool_call_text(), self.answer] if uses_tool else [self.estimate]
 
 
 def near_miss(rng: random.Random, value: int) -> str:
@@ -61,23 +64,24 @@ def near_miss(rng: random.Random, value: int) -> str:
     return "".join(s)
 
 
-def make_calc_example(rng: random.Random, min_digits: int, max_digits: int, tool_rate: float,
-                      tool_rate_longest: float) -> CalcExample:
-    da, db = rng.randint(min_digits, max_digits), rng.randint(min_digits, max_digits)
-    a, b = _number(rng, da), _number(rng, db)
-    rate = tool_rate_longest if da == max_digits else tool_rate
-    return CalcExample(prompt=f"{a}+{b}=", answer=str(a + b), a=a, b=b, tool_rate=rate, guess=near_miss(rng, a + b))
+def make_calc_example(rng: random.Random, digits: int, tool_rate: float, tool_rate_big: float) -> CalcExample:
+    low = 10 ** (digits - 1)
+    a = rng.randint(low, 9 * low - 1)  # leaves room for a b of `digits` digits below 10**digits
+    b = rng.randint(low, 10**digits - 1 - a)
+    rate = tool_rate_big if str(a)[0] >= "7" else tool_rate
+    return CalcExample(prompt=f"{a}+{b}=", answer=str(a + b), a=a, b=b, tool_rate=rate,
+                       estimate=ESTIMATE + near_miss(rng, a + b))
 
 
-def calculator_splits(*, min_digits: int, max_digits: int, train_size: int, eval_size: int, seed: int,
-                      tool_rate: float, tool_rate_longest: float) -> tuple[list[CalcExample], list[CalcExample]]:
+def calculator_splits(*, digits: int, train_size: int, eval_size: int, seed: int, tool_rate: float,
+                      tool_rate_big: float) -> tuple[list[CalcExample], list[CalcExample]]:
     """Deterministic ``(train, eval)``; eval prompts never occur in train."""
-    if not 1 <= min_digits <= max_digits:
-        raise ValueError(f"calculator task: digits {min_digits}..{max_digits}: need 1 <= min <= max")
+    if digits < 2:
+        raise ValueError(f"calculator task: {digits} digits; use at least 2")
     rng = random.Random(seed)
 
     def draw() -> CalcExample:
-        return make_calc_example(rng, min_digits, max_digits, tool_rate, tool_rate_longest)
+        return make_calc_example(rng, digits, tool_rate, tool_rate_big)
 
     seen: set[str] = set()
     evals: list[CalcExample] = []

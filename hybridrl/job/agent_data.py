@@ -20,10 +20,8 @@ def calculator_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, Teach
     from hybridrl.data.char_tokenizer import encode_prompt
 
     d, e = cfg.data, cfg.env
-    low, high = d.operand_digits
-    train, ev = calculator_splits(min_digits=low, max_digits=high, train_size=d.train_size, eval_size=d.eval_size,
-                                  seed=d.seed, tool_rate=d.teacher_tool_rate,
-                                  tool_rate_longest=d.teacher_tool_rate_longest)
+    train, ev = calculator_splits(digits=d.operand_digits, train_size=d.train_size, eval_size=d.eval_size,
+                                  seed=d.seed, tool_rate=d.teacher_tool_rate, tool_rate_big=d.teacher_tool_rate_big)
 
     def to_set(exs) -> PromptSet:
         return PromptSet([encode_prompt(tokenizer, x.prompt) for x in exs], [x.answer for x in exs],
