@@ -13,7 +13,7 @@ from hybridrl.data.chat_tokenizer import build_chat_char_tokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "calculator_agent.yaml"
 SHRUNK = ["data.train_size=64", "data.eval_size=8", "batch.prompts_per_step=4", "rollout.n=2",
-          "warm_start.steps=20", "warm_start.batch_size=16", "warm_start.lr=3e-3",
+          "warm_start.steps=60", "warm_start.batch_size=8", "warm_start.lr=3e-3",
           # every demonstration calls the tool: the policy then opens its turns with <tool_call>
           # after a few steps, so the RL episodes have tool spans to mask
           "data.teacher_tool_rate=1.0", "data.teacher_tool_rate_big=1.0",
@@ -44,6 +44,23 @@ def _tool_spans(ids: list[int], tok) -> list[int]:
         if inside and t == assistant:
             inside = False
     return out
+
+
+def _environment_spans(ids: list[int], sampled: list[float], tok) -> list[list[int]]:
+    """In an RL episode: what follows each sampled end-of-turn token up to and including
+    the next ``<|assistant|>`` header — the tool message the environment appended (a turn
+    stops at its first end-of-turn token, so whatever follows it is not sampled)."""
+    end, assistant = tok.convert_tokens_to_ids(["<|end|>", "<|assistant|>"])
+    spans, i = [], 0
+    while i < len(ids):
+        if ids[i] == end and sampled[i] == 1 and i + 1 < len(ids) and ids[i + 1] != tok.pad_token_id:
+            j = i + 1
+            while j < len(ids) and ids[j] != assistant:
+                j += 1
+            spans.append(list(range(i + 1, min(j + 1, len(ids)))))
+            i = j
+        i += 1
+    return spans
 
 
 def test_the_shipped_demo_config_loads_and_names_its_task():
@@ -99,12 +116,13 @@ def test_two_rl_steps_of_the_shrunk_demo_run_end_to_end(tmp_path, monkeypatch):
     for step in (0, 2):  # the evals ran episodes
         assert "eval/accuracy" in rows[step] and "eval/agent/tool_calls" in rows[step]
     tok = build_chat_char_tokenizer()
+    tool = tok.convert_tokens_to_ids("<|tool|>")
     checked = 0
     for sb in batches:
         ro = sb.rollouts
         for b in range(ro.input_ids.shape[0]):
-            ids = ro.input_ids[b].tolist()
-            for i in _tool_spans(ids, tok):
-                assert ro.response_mask[b, i] == 0
+            ids, mask = ro.input_ids[b].tolist(), ro.response_mask[b].tolist()
+            for span in _environment_spans(ids, mask, tok):
+                assert ids[span[0]] == tool and not any(mask[i] for i in span)
                 checked += 1
     assert checked > 0, "no episode called the tool: nothing was checked"
