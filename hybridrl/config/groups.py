@@ -68,8 +68,21 @@ class DataConfig:
                                         "carry whose teacher forgot the units carry (37+45=72): a systematic "
                                         "error the exact-answer reward has to correct")
     seed: int = _f(0, "seed for task generation and shuffling")
+    task: str = _f("arithmetic", "built-in task when no train_files: arithmetic (one answer per prompt) | "
+                                 "calculator (a multi-turn agent with an add tool: needs env.name, see "
+                                 "examples/calculator_agent.yaml)")
+    operand_digits: int = _f(7, "calculator task: digits of each number (and of their sum)")
+    teacher_tool_rate: float = _f(0.25, "calculator task: share of the warm start's demonstrations that call the "
+                                        "add tool; the others answer at once with an estimate (always wrong)")
+    teacher_tool_rate_big: float = _f(0.75, "calculator task: the same share for problems whose first number starts "
+                                            "with 7 or 8 (they look big)")
 
     def __post_init__(self) -> None:
+        if self.task not in ("arithmetic", "calculator"):
+            raise ConfigError(f"data.task={self.task!r}: use arithmetic or calculator")
+        check_number(self.operand_digits, "data.operand_digits", low=2, high=18)
+        check_number(self.teacher_tool_rate, "data.teacher_tool_rate", low=0, high=1)
+        check_number(self.teacher_tool_rate_big, "data.teacher_tool_rate_big", low=0, high=1)
         bad = set(self.operations) - set("+-*")
         if bad or not self.operations:
             raise ConfigError(f"data.operations={self.operations!r}: use a non-empty subset of '+-*'")
@@ -243,6 +256,10 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
+        if self.data.task == "calculator" and not self.data.train_files and self.env.name is None:
+            raise ConfigError("data.task=calculator is a multi-turn agent task: set "
+                              "env.name=hybridrl.agents.examples.calculator:Calculator (or use "
+                              "--config examples/calculator_agent.yaml)")
         if self.env.name is not None and self.algo.dapo.dynamic_sampling:
             raise ConfigError("algo.dapo.dynamic_sampling with env.name: refilling a batch with episodes is not "
                               "supported yet; turn one of them off")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,6 +23,9 @@ from hybridrl.job.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
 from hybridrl.job.run_dir import RunDir, open_run_dir
+
+if typing.TYPE_CHECKING:
+    from hybridrl.job.demonstrations import TeacherDemos
 
 Console = Callable[[str], None]
 
@@ -40,6 +44,8 @@ class Run:
     sft_pairs: tuple[list[list[int]], list[list[int]], list[list[int] | None]] | None
     log: MetricsLog
     console: Console
+    # the agent task's warm start instead: multi-turn demonstrations (job/demonstrations.py)
+    sft_demos: "TeacherDemos | None" = None
 
     @property
     def policy(self) -> PreTrainedModel:
@@ -75,16 +81,26 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     torch.manual_seed(t.seed)
     dtype = DTYPES[m.dtype]
+    agent_task = cfg.data.task == "calculator" and not cfg.data.train_files
     if m.path:
         model, tokenizer = load_pretrained(m.path, dtype)
+    elif agent_task:  # chat markers as tokens, a chat template with tools; positions for a whole episode
+        from hybridrl.data.chat_tokenizer import build_chat_char_tokenizer
+
+        tokenizer = build_chat_char_tokenizer()
+        model = builtin_model(tokenizer, m, seed=t.seed, max_position_embeddings=max(128, cfg.env.context_tokens))
     else:
         tokenizer = builtin_tokenizer()
         model = builtin_model(tokenizer, m, seed=t.seed)
     device = dp.device if dp is not None else torch.device(t.device)
     model.to(device)
-    sft = None
+    sft = demos = None
     if cfg.data.train_files:
         train_set, eval_set = _file_data(cfg, tokenizer, console)
+    elif agent_task:
+        from hybridrl.job.agent_data import calculator_data
+
+        train_set, eval_set, demos = calculator_data(cfg, tokenizer)
     else:
         train_set, eval_set, sft = _arithmetic_data(cfg, tokenizer)
     if len(train_set) < cfg.batch.prompts_per_step:
@@ -103,7 +119,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
                          write=dp is None or dp.is_main)
         return Run(cfg=cfg, run_dir=directory.path, directory=directory, tokenizer=tokenizer, step=step,
-                   eval_set=eval_set, sft_pairs=sft, log=log, console=console)
+                   eval_set=eval_set, sft_pairs=sft, log=log, console=console, sft_demos=demos)
     except BaseException:
         directory.close()
         runner.close()

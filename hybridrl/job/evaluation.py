@@ -6,6 +6,12 @@
 - maj@k: share of prompts whose most frequent sampled answer (the stripped response text;
   ties go to the earliest) scores > 0.5 — self-consistency (Wang et al. 2022).
 
+An agent run (``env.name``) is evaluated on *episodes* (:func:`evaluate_episodes`): greedy
+episodes on the held-out rows, each final answer scored by the run's reward (an episode
+with no final answer — truncated, failed — is unsolved), plus the episodes' ``agent/*``
+metrics under ``eval/``; pass@k / maj@k from ``k`` sampled episodes per row, the vote
+over final answers.
+
 Sampling uses seeds drawn from ``seed``: an eval never consumes the training RNG streams,
 so turning pass@k on does not change what training samples.
 """
@@ -34,6 +40,7 @@ class EvalResult:
     samples: list[dict] = field(default_factory=list)  # one record per prompt (for a jsonl file)
     reward_calls: int = 0
     reward_failures: int = 0  # calls that failed (scored failure_reward)
+    extra: dict[str, float] = field(default_factory=dict)  # more eval/* metrics (an agent's episode metrics)
 
     @property
     def reward_failure_rate(self) -> float:
@@ -44,6 +51,7 @@ class EvalResult:
         if self.k:
             out[f"eval/pass@{self.k}"] = self.pass_at_k
             out[f"eval/maj@{self.k}"] = self.maj_at_k
+        out.update(self.extra)
         return out
 
 
@@ -85,6 +93,55 @@ def evaluate_prompts(rollout: RolloutWorker, scorer: RewardScorer, prompts: Prom
                            "greedy": g_texts[i], "greedy_score": g_scores[i],
                            **({"samples": texts[i], "scores": scores[i]} if k else {})}
                           for i in range(len(prompts))]
+    return result
+
+
+def evaluate_episodes(runner, scorer: RewardScorer, prompts: PromptSet, *, k: int = 0, temperature: float = 1.0,
+                      seed: int = 0, keep_samples: bool = False) -> EvalResult:
+    """:func:`evaluate_prompts` for an agent: ``runner`` is the run's ``EpisodeRunner``
+    (its engine, environments, renderer and limits); greedy episodes give the accuracy."""
+    import dataclasses
+
+    from hybridrl.agents.episodes import EpisodeRunner
+    from hybridrl.trainer.episode_sampler import episode_metrics
+
+    if not len(prompts):
+        return EvalResult(accuracy=float("nan"))
+    rows = [{"prompt": p, "answer": a} for p, a in zip(prompts.prompt_texts, prompts.answers)]
+    rng = random.Random(seed)
+
+    def episodes(temp: float, n: int):
+        """(final answers, scores) per row, ``n`` episodes each, and the episodes."""
+        r = EpisodeRunner(runner.engine, runner.env_pool, runner.renderer, runner.tokenizer,
+                          dataclasses.replace(runner.sampling, temperature=temp), runner.limits)
+        trajs = r.run(rows, n, [rng.randrange(2**62) for _ in rows])
+        answered = [t for t in trajs if t.final_answer is not None]
+        batch = scorer.runner.score([t.final_answer for t in answered], [rows[t.row]["answer"] for t in answered],
+                                    [rows[t.row]["prompt"] for t in answered])
+        score = {id(t): s for t, s in zip(answered, batch.scores)}
+        texts = [[] for _ in rows]
+        scores = [[] for _ in rows]
+        for t in trajs:
+            texts[t.row].append(t.final_answer if t.final_answer is not None else "")
+            scores[t.row].append(score.get(id(t), 0.0))  # no final answer: unsolved
+        return texts, scores, trajs, batch
+
+    g_texts, g_scores, g_trajs, g_batch = episodes(0.0, 1)
+    result = EvalResult(accuracy=sum(s[0] > CORRECT for s in g_scores) / len(rows), k=k,
+                        reward_calls=len(g_batch.scores), reward_failures=sum(g_batch.failures.values()))
+    result.extra = {f"eval/{key}": v for key, v in episode_metrics(g_trajs).items() if key != "agent/env_seconds"}
+    texts: list[list[str]] = [[] for _ in rows]
+    scores: list[list[float]] = [[] for _ in rows]
+    if k > 0:
+        texts, scores, _, batch = episodes(temperature, k)
+        result.reward_calls += len(batch.scores)
+        result.reward_failures += sum(batch.failures.values())
+        result.pass_at_k = sum(any(s > CORRECT for s in row) for row in scores) / len(rows)
+        result.maj_at_k = sum(_majority_correct(t, s) for t, s in zip(texts, scores)) / len(rows)
+    if keep_samples:
+        result.samples = [{"prompt": rows[i]["prompt"], "answer": rows[i]["answer"], "greedy": g_texts[i][0],
+                           "greedy_score": g_scores[i][0], **({"samples": texts[i], "scores": scores[i]} if k else {})}
+                          for i in range(len(rows))]
     return result
 
 

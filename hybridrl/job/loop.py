@@ -19,7 +19,7 @@ from hybridrl.job.interrupt import InterruptFlag, TrainingInterrupted
 from hybridrl.job.metrics_log import plot_curves
 from hybridrl.job.progress import progress_bar
 from hybridrl.trainer.reference import Reference
-from hybridrl.job.evaluation import EvalResult, evaluate_prompts
+from hybridrl.job.evaluation import EvalResult, evaluate_episodes, evaluate_prompts
 
 __all__ = ["train", "TrainResult"]
 
@@ -34,9 +34,12 @@ class TrainResult:
 
 
 def evaluate(run: Run) -> EvalResult:
-    """Greedy accuracy (reward > 0.5) on the held-out prompts, plus pass@k / maj@k when
-    ``eval.k > 0`` (see ``evaluation.py``)."""
+    """Greedy accuracy (reward > 0.5) on the held-out prompts (an agent's: on greedy
+    episodes), plus pass@k / maj@k when ``eval.k > 0`` (see ``evaluation.py``)."""
     e = run.cfg.eval
+    if run.step.episodes is not None:  # an agent: greedy episodes, final answers scored
+        return evaluate_episodes(run.step.episodes.runner, run.step.scorer, run.eval_set, k=e.k,
+                                 temperature=e.temperature, seed=e.seed)
     return evaluate_prompts(run.step.rollout, run.step.scorer, run.eval_set, k=e.k, temperature=e.temperature,
                             seed=e.seed)
 
@@ -60,17 +63,29 @@ def warm_start(run: Run, cfg: Config) -> None:
     On the built-in task, ``data.teacher_carry_slip`` replaces that share of the carrying
     additions' demonstrations with the slip (the units carry forgotten), drawn afresh at
     every visit: the warm start then imitates a teacher with a systematic error, which
-    only the reward can correct.
+    only the reward can correct. On the agent task (``run.sft_demos``) the pairs are
+    multi-turn demonstrations, learned on the assistant's turns only (tool spans masked),
+    and the teacher's choice (tool or not) is drawn afresh at every visit the same way.
     """
-    from hybridrl.job.sft import sample_sft_batch, sft_batch, sft_step
+    from hybridrl.job.sft import masked_sft_batch, sample_sft_batch, sft_batch, sft_step
 
     t = cfg.trainer
     steps = cfg.warm_start.steps
-    if steps <= 0 or run.sft_pairs is None:
+    if steps <= 0 or (run.sft_pairs is None and run.sft_demos is None):
         return
-    prompts, answers, slips = run.sft_pairs
     slip_rng = random.Random(t.seed + 7919)  # its own stream: the batches are those of a slip-free run
-    model, device = run.policy, run.step.rollout.device
+    model, device, pad_id, k = run.policy, run.step.rollout.device, run.step.shape.pad_id, cfg.warm_start.batch_size
+    if run.sft_demos is not None:
+        def batch():
+            demos = run.sft_demos.sample(rng, k, slip_rng)
+            return masked_sft_batch([d.ids for d in demos], [d.loss_mask for d in demos], pad_id)
+    else:
+        prompts, answers, slips = run.sft_pairs
+
+        def batch():
+            p, a = sample_sft_batch(rng, prompts, answers, k, slips=slips, slip_rate=cfg.data.teacher_carry_slip,
+                                    slip_rng=slip_rng)
+            return sft_batch(p, a, pad_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr, betas=tuple(cfg.optim.betas),
                             weight_decay=cfg.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.05, 1 - s / steps))
@@ -78,9 +93,7 @@ def warm_start(run: Run, cfg: Config) -> None:
     model.train()
     bar = progress_bar(range(steps), desc="warm start", enabled=cfg.logging.progress)
     for _ in bar:
-        p, a = sample_sft_batch(rng, prompts, answers, cfg.warm_start.batch_size, slips=slips,
-                                slip_rate=cfg.data.teacher_carry_slip, slip_rng=slip_rng)
-        ids, mask, labels = (x.to(device) for x in sft_batch(p, a, run.step.shape.pad_id))
+        ids, mask, labels = (x.to(device) for x in batch())
         loss, _ = sft_step(model, opt, ids, mask, labels, cfg.optim.grad_clip)
         sched.step()
         bar.set_postfix(loss=f"{loss:.3f}")

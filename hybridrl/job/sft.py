@@ -52,3 +52,23 @@ def sample_sft_batch(rng: random.Random, prompts: list[list[int]], answers: list
             if slips[i] is not None and slip_rng.random() < slip_rate:
                 out[j] = slips[i]
     return [prompts[i] for i in idx], out
+
+
+def masked_sft_batch(seqs: list[list[int]], loss_masks: list[list[int]], pad_id: int):
+    """Right-padded ``(input_ids [B, L], attention_mask [B, L], labels [B, L])`` for
+    multi-turn demonstrations: ``labels`` is the token where ``loss_masks`` is 1 (the
+    assistant's turns) and ``-100`` elsewhere (prompt, tool messages, padding), so only
+    what a policy samples is learned — the loss mask RL trains with."""
+    L = max(map(len, seqs))
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    labels = torch.full((len(seqs), L), -100, dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, loss_masks)):
+        if len(s) != len(m):
+            raise ValueError(f"masked_sft_batch: sequence {i} has {len(s)} ids but {len(m)} mask entries")
+        row = torch.tensor(s)
+        ids[i, : len(s)] = row
+        mask[i, : len(s)] = 1
+        keep = torch.tensor(m, dtype=torch.bool)
+        labels[i, : len(s)] = torch.where(keep, row, torch.full_like(row, -100))
+    return ids, mask, labels

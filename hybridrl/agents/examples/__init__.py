@@ -1,0 +1,1 @@
+"""Example environments and tools classes (``env.name=hybridrl.agents.examples.<module>:<Class>``)."""
