@@ -248,7 +248,7 @@ class RunningBatch:
     def _widen_stop_ids(self, width: int) -> None:
         wider = torch.full((self.max_rows, width), -1, dtype=torch.long, device=self.device)
         wider[:, :self.stop_ids.shape[1]] = self.stop_ids
-        i = self._row_buffers.index(self.stop_ids)
+        i = next(j for j, b in enumerate(self._row_buffers) if b is self.stop_ids)  # identity: == compares values
         self.stop_ids = self._row_buffers[i] = wider
 
 

@@ -315,3 +315,21 @@ def test_prefix_cache_evicts_least_recently_used_within_its_byte_budget():
     assert cache.get("a", 2) is None  # retained under other weights: a miss
     cache.put("huge", entry(100))
     assert "huge" not in cache and cache.was_evicted("huge") and cache.bytes == 2 * one
+
+
+def test_requests_with_more_stop_ids_than_before_join_a_running_batch(hf):
+    """The stop-id table widens when a wider request arrives; every row keeps its own stops."""
+    rng = random.Random()
+    engine = _engine(hf, max_batch_size=3)
+    first = _prompt(rng, 6)
+    engine.add_request("one-stop", first, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(7,)))
+    engine.step()
+    stops = tuple(rng.sample(range(VOCAB), 5))
+    engine.add_request("five-stops", _prompt(rng, 5), SamplingParams(temperature=0.0, max_tokens=20,
+                                                                     stop_token_ids=stops))
+    out = engine.run_until_finished(["one-stop", "five-stops"])
+    alone = _engine(hf, max_batch_size=1)
+    for rid, p in (("one-stop", (7,)), ("five-stops", stops)):
+        prompt = out[rid].prompt_token_ids
+        ref = alone.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=p))
+        assert out[rid].token_ids == ref.response_token_ids[0]
