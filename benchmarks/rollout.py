@@ -79,7 +79,7 @@ RL_CASE = "rl job 32x8 T<=8"
 
 def dense_model(size: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(**DENSE[size], max_position_embeddings=512)
+    cfg = transformers.Qwen2Config(**DENSE[size], max_position_embeddings=1024)  # the long-tail case: 48 + 512
     return transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()
 
 
