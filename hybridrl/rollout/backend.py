@@ -181,6 +181,23 @@ def expand_requests(prompts: list[list[int]], params: SamplingParams | list[Samp
     return samples
 
 
+def check_request(request_id: str, token_ids, params: SamplingParams, live, max_seq_len: int,
+                  vocab_size: int) -> list[int]:
+    """``add_request``'s checks, both backends: one sample, a fresh id (``live``: the ids
+    waiting or running), a prompt that fits; returns the token ids as ints. One-line errors."""
+    if params.n != 1:
+        raise ValueError(f"add_request {request_id!r}: SamplingParams.n={params.n}; a request is one sample "
+                         "(add n requests with their own seeds, as generate() does)")
+    if request_id in live:
+        raise ValueError(f"add_request {request_id!r}: a request with this id is already waiting or running")
+    token_ids = [int(t) for t in token_ids]
+    try:
+        check_prompt(token_ids, max_seq_len, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"add_request {request_id!r}: {str(e).removeprefix('generate: ')}") from None
+    return token_ids
+
+
 def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
     if not 0 < len(prompt) < max_seq_len:
         raise ValueError(f"generate: prompt length {len(prompt)} must be in [1, max_seq_len="

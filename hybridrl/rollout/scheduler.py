@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from hybridrl.rollout.backend import check_prompt, request_seed
+from hybridrl.rollout.backend import check_request, request_seed
 from hybridrl.rollout.kv_cache import KVCache
 from hybridrl.rollout.prefix_cache import PrefixCache, PrefixEntry, common_prefix_length
 from hybridrl.rollout.routing import active_recorder
@@ -74,16 +74,7 @@ class Scheduler:
     # ---- requests ------------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
             parent: str | None = None, retain: bool = False, front: bool = False) -> None:
-        if params.n != 1:
-            raise ValueError(f"add_request {request_id!r}: SamplingParams.n={params.n}; a request is one sample "
-                             "(add n requests with their own seeds, as generate() does)")
-        if request_id in self.live:
-            raise ValueError(f"add_request {request_id!r}: a request with this id is already waiting or running")
-        token_ids = [int(t) for t in token_ids]
-        try:
-            check_prompt(token_ids, self.max_seq_len, self.vocab_size)
-        except ValueError as e:
-            raise ValueError(f"add_request {request_id!r}: {str(e).removeprefix('generate: ')}") from None
+        token_ids = check_request(request_id, token_ids, params, self.live, self.max_seq_len, self.vocab_size)
         if parent is not None:
             self._check_parent(request_id, parent)
         seq = Sequence(request_id, token_ids, params, request_seed(params.seed, 0),

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.rollout.backend import check_prompt, request_seed
+from hybridrl.rollout.backend import check_request, request_seed
 from hybridrl.rollout.requests import RequestOutput, StepOutput, UnknownRequestError
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.scheduler import KV_ON_REFIT
@@ -129,17 +129,8 @@ class VllmRequests:
             parent: str | None, retain: bool, hold: bool) -> None:
         """Validate, then submit to vLLM (or hold while a weight update is open: ``hold``)."""
         params = params or SamplingParams()
-        if params.n != 1:
-            raise ValueError(f"add_request {request_id!r}: SamplingParams.n={params.n}; a request is one sample "
-                             "(add n requests with their own seeds, as generate() does)")
-        if request_id in self.live:
-            raise ValueError(f"add_request {request_id!r}: a request with this id is already waiting or running")
-        token_ids = [int(t) for t in token_ids]
         max_seq_len = self.owner.max_seq_len
-        try:
-            check_prompt(token_ids, max_seq_len, self.owner.vocab_size)
-        except ValueError as e:
-            raise ValueError(f"add_request {request_id!r}: {str(e).removeprefix('generate: ')}") from None
+        token_ids = check_request(request_id, token_ids, params, self.live, max_seq_len, self.owner.vocab_size)
         if parent is not None:
             self._check_parent(request_id, parent)
         r = LiveRequest(request_id, token_ids, params, request_seed(params.seed, 0),
