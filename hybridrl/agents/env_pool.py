@@ -109,10 +109,9 @@ class EnvPool:
             results = pool.map(env_worker.env_reset, [(row,) for row in rows], self.timeout_s)
         steps = []
         for i, (episode, result) in enumerate(zip(episode_ids, results)):
-            if isinstance(result, Lost):
-                steps.append(_failed(_lost(result)))
-            elif result[0] != env_worker.OK:
-                steps.append(_failed(result[1]))
+            failure = _worker_failure(result)
+            if failure is not None:
+                steps.append(failure)
             else:
                 self._states[episode] = result[1]
                 steps.append(EnvStep(messages=openings[i] if self.tools is not None else result[2]))
@@ -133,10 +132,9 @@ class EnvPool:
         calls = [(self._states[episode], text) for episode, text in items]
         steps = []
         for (episode, _), result in zip(items, self._live().map(env_worker.env_step, calls, self.timeout_s)):
-            if isinstance(result, Lost):
-                steps.append(_failed(_lost(result)))
-            elif result[0] != env_worker.OK:
-                steps.append(_failed(result[1]))
+            failure = _worker_failure(result)
+            if failure is not None:
+                steps.append(failure)
             else:
                 self._states[episode] = result[1]
                 messages, reward, done, info = result[2]
@@ -225,3 +223,12 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _worker_failure(result) -> EnvStep | None:
+    """The failed step a worker's result means (lost, or an error it reported), else None."""
+    if isinstance(result, Lost):
+        return _failed(_lost(result))
+    if result[0] != env_worker.OK:
+        return _failed(result[1])
+    return None

@@ -14,15 +14,15 @@ what was wrong and what to do.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import importlib.util
 import re
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
+
+from hybridrl.rewards.registry import import_errors
 
 
 def module_name_for(path: Path) -> str:
@@ -44,7 +44,7 @@ def load_module(target: str, spec: str, where: str):
     ``(module, absolute path or None)``. A file already loaded in this process is reused."""
     if not target.endswith(".py"):
         try:
-            with _import_errors(spec, where, target):
+            with import_errors(spec, where, target, what="environment"):
                 return importlib.import_module(target), None
         except ModuleNotFoundError as e:
             raise ValueError(f"{where}={spec!r}: cannot import {target} ({e}); check the module path") from None
@@ -58,7 +58,7 @@ def load_module(target: str, spec: str, where: str):
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # before executing it, as import does: dataclasses look their module up
     try:
-        with _import_errors(spec, where, target):
+        with import_errors(spec, where, target, what="environment"):
             module_spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(name, None)  # a half-executed module must not be reused
@@ -80,22 +80,3 @@ def load_object(spec: str, where: str, example: str) -> tuple[Any, Path | None]:
         raise ValueError(f"{where}={spec!r}: no {name!r} in {target} ({defined}); check the name after ':'")
     return obj, path
 
-
-@contextlib.contextmanager
-def _import_errors(spec: str, where: str, target: str):
-    """A module that fails to import (a syntax error, a raise at import time) is one line
-    naming the file and line, not a traceback through importlib."""
-    try:
-        yield
-    except ModuleNotFoundError as e:
-        if e.name and not target.endswith(".py") and target.split(".")[0] == e.name.split(".")[0]:
-            raise  # the module itself (or its package) is missing: the caller says so
-        raise ValueError(f"{where}={spec!r}: importing {target} failed: {e}; install it or fix the import") from e
-    except SyntaxError as e:  # IndentationError too
-        raise ValueError(f"{where}={spec!r}: {e.filename}:{e.lineno}: {type(e).__name__}: {e.msg}; "
-                         "fix the file") from e
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the module's top level raised
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        why = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{where}={spec!r}: importing {target} raised {type(e).__name__}: {why} "
-                         f"({frame.filename}:{frame.lineno}); fix the module") from e

@@ -87,14 +87,14 @@ def _load_user_fn(spec: str, where: str) -> RewardFn:
             raise ValueError(f"{where}={spec!r}: file {target} not found")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
-        with _import_errors(spec, where, target):
+        with import_errors(spec, where, target):
             module_spec.loader.exec_module(module)
         # a module loaded from a file is not importable by name, so a worker process
         # re-loads it from this absolute path (see process_pool.py)
         worker_spec = f"{path}:{fn_name}"
     else:
         try:
-            with _import_errors(spec, where, target):
+            with import_errors(spec, where, target):
                 module = importlib.import_module(target)
         except ModuleNotFoundError as e:
             raise ValueError(f"{where}={spec!r}: cannot import {target} ({e}); check the module path") from None
@@ -108,9 +108,10 @@ def _load_user_fn(spec: str, where: str) -> RewardFn:
 
 
 @contextlib.contextmanager
-def _import_errors(spec: str, where: str, target: str):
-    """A reward module that fails to import (a syntax error, or raising at import time) is
-    one line naming the file and line, not a traceback through importlib."""
+def import_errors(spec: str, where: str, target: str, what: str = "reward"):
+    """A user module (a ``what``: reward, environment) that fails to import (a syntax error,
+    or raising at import time) is one line naming the file and line, not a traceback
+    through importlib."""
     try:
         yield
     except ModuleNotFoundError as e:
@@ -119,12 +120,12 @@ def _import_errors(spec: str, where: str, target: str):
         raise ValueError(f"{where}={spec!r}: importing {target} failed: {e}; install it or fix the import") from e
     except SyntaxError as e:  # IndentationError too
         raise ValueError(f"{where}={spec!r}: {e.filename}:{e.lineno}: {type(e).__name__}: {e.msg}; "
-                         "fix the reward file") from e
+                         f"fix the {what} file") from e
     except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the module's top level raised
         frame = traceback.extract_tb(e.__traceback__)[-1]
         why = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"{where}={spec!r}: importing {target} raised {type(e).__name__}: {why} "
-                         f"({frame.filename}:{frame.lineno}); fix the reward module") from e
+                         f"({frame.filename}:{frame.lineno}); fix the {what} module") from e
 
 
 def _unknown(name: str, where: str) -> ValueError:

@@ -198,6 +198,20 @@ def check_request(request_id: str, token_ids, params: SamplingParams, live, max_
     return token_ids
 
 
+def check_parent(request_id: str, parent: str, retained: bool, live) -> None:
+    """A ``parent`` must be a finished request added with ``retain=True`` (``retained``: the
+    backend still knows it, held or evicted); one still in ``live`` has not finished."""
+    from hybridrl.rollout.requests import UnknownRequestError
+
+    if retained:
+        return
+    if parent in live:
+        raise ValueError(f"add_request {request_id!r}: parent {parent!r} has not finished yet; add the next "
+                         "turn after its output arrived")
+    raise UnknownRequestError(f"add_request {request_id!r}: unknown parent {parent!r}: no finished request "
+                              "with that id was retained (finish the parent turn with retain=True)")
+
+
 def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
     if not 0 < len(prompt) < max_seq_len:
         raise ValueError(f"generate: prompt length {len(prompt)} must be in [1, max_seq_len="

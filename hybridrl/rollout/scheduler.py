@@ -35,11 +35,11 @@ from typing import Callable
 
 import torch
 
-from hybridrl.rollout.backend import check_request, request_seed
+from hybridrl.rollout.backend import check_parent, check_request, request_seed
 from hybridrl.rollout.kv_cache import KVCache
 from hybridrl.rollout.prefix_cache import PrefixCache, PrefixEntry, common_prefix_length
 from hybridrl.rollout.routing import active_recorder
-from hybridrl.rollout.requests import RequestOutput, StepOutput, UnknownRequestError
+from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.running_batch import RunningBatch, Sequence
 from hybridrl.rollout.sampling_params import SamplingParams
 
@@ -94,13 +94,7 @@ class Scheduler:
             self.live[rid] = seq
 
     def _check_parent(self, request_id: str, parent: str) -> None:
-        if parent in self.prefixes or self.prefixes.was_evicted(parent):
-            return
-        if parent in self.live:
-            raise ValueError(f"add_request {request_id!r}: parent {parent!r} has not finished yet; add the next "
-                             "turn after its output arrived")
-        raise UnknownRequestError(f"add_request {request_id!r}: unknown parent {parent!r}: no finished request "
-                                  "with that id was retained (finish the parent turn with retain=True)")
+        check_parent(request_id, parent, parent in self.prefixes or self.prefixes.was_evicted(parent), self.live)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The request's output so far (finish_reason "abort"); None if it is not waiting or running."""

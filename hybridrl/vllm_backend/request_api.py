@@ -42,8 +42,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.rollout.backend import check_request, request_seed
-from hybridrl.rollout.requests import RequestOutput, StepOutput, UnknownRequestError
+from hybridrl.rollout.backend import check_parent, check_request, request_seed
+from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.sampling_params import SamplingParams
 from hybridrl.rollout.scheduler import KV_ON_REFIT
 from hybridrl.vllm_backend import full_vocab_logprobs as fvl
@@ -142,13 +142,7 @@ class VllmRequests:
             self._submit(r)
 
     def _check_parent(self, request_id: str, parent: str) -> None:
-        if parent in self.retained:
-            return
-        if parent in self.live:
-            raise ValueError(f"add_request {request_id!r}: parent {parent!r} has not finished yet; add the next "
-                             "turn after its output arrived")
-        raise UnknownRequestError(f"add_request {request_id!r}: unknown parent {parent!r}: no finished request "
-                                  "with that id was retained (finish the parent turn with retain=True)")
+        check_parent(request_id, parent, parent in self.retained, self.live)
 
     def _submit(self, r: LiveRequest) -> None:
         """Send ``r``'s next segment to vLLM: prompt + tokens so far, the tokens left, a new tag."""
