@@ -100,10 +100,6 @@ class RunningBatch:
     def free_rows(self) -> int:
         return self.max_rows - len(self.seqs)
 
-    def kv_len(self, rows: slice | None = None) -> int:
-        """Slots attended by a decode step of rows [0, n): the longest row's length."""
-        return int(self.host_positions[:self.n].max()) + 1
-
     # ---- joining -------------------------------------------------------------------
     def add(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Rows [n, n + k) <- ``seqs`` (their prefill just wrote those cache rows), then sample
