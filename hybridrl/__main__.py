@@ -4,4 +4,5 @@ import sys
 
 from hybridrl.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a spawned child (rollout workers, reward pool) re-imports this module
+    sys.exit(main())

@@ -13,13 +13,13 @@ from hybridrl.config.algo import (AdvantageConfig, AlgoConfig, CorrectionConfig,
 from hybridrl.config.base import ConfigError
 from hybridrl.config.groups import (GROUPS, Config, DataConfig, EvalConfig, LoggingConfig, ModelConfig, OptimConfig,
                                     RewardConfig, RolloutConfig)
-from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, RefitConfig, TrainerConfig,
-                                 WarmStartConfig)
+from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, PipelineConfig, RefitConfig,
+                                 TrainerConfig, WarmStartConfig)
 from hybridrl.config.presets import PRESETS
 
 __all__ = [
     "AdvantageConfig", "AlgoConfig", "BatchConfig", "CheckpointConfig", "LauncherConfig", "RefitConfig",
     "WarmStartConfig", "Config", "ConfigError", "CorrectionConfig", "DapoConfig", "DataConfig", "EvalConfig",
-    "GROUPS", "KLConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PRESETS", "PolicyLossConfig",
+    "GROUPS", "KLConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PipelineConfig", "PRESETS", "PolicyLossConfig",
     "RewardConfig", "RolloutConfig", "TrainerConfig", "ValueConfig",
 ]

@@ -75,11 +75,18 @@ class CorrectionConfig:
     tis_cap: float | None = _f(None, "truncated importance sampling cap C; null = off")
     mismatch_seq_upper: float | None = _f(None, "mask sequences whose trainer/rollout geometric-mean ratio exceeds this; null = off")
     mismatch_seq_lower: float | None = _f(None, "lower bound of that ratio (default 1/upper)")
+    decoupled: bool = _f(True, "trainer.mode one_step_off/async, a batch with tokens of older versions: decoupled "
+                               "PPO (clip around the proximal policy = the weights at the start of the update, "
+                               "recomputed; each token weighted by min(pi_prox / pi_behaviour, decoupled_cap)); "
+                               "false = no correction, stale tokens treated as on-policy (for comparison)")
+    decoupled_cap: float = _f(2.0, "cap of the behaviour -> proximal importance weight (tis_cap, when set, is the "
+                                   "same weight and wins)")
 
     def __post_init__(self) -> None:
         check_number(self.tis_cap, "algo.correction.tis_cap", low=0, low_open=True, hint="typical 2.0, or null")
         check_number(self.mismatch_seq_upper, "algo.correction.mismatch_seq_upper", low=0, low_open=True)
         check_number(self.mismatch_seq_lower, "algo.correction.mismatch_seq_lower", low=0, low_open=True)
+        check_number(self.decoupled_cap, "algo.correction.decoupled_cap", low=0, low_open=True)
         if self.mismatch_seq_lower is not None and self.mismatch_seq_upper is None:
             raise ConfigError("algo.correction.mismatch_seq_lower needs algo.correction.mismatch_seq_upper "
                               "(the masking is off without it)")

@@ -9,8 +9,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, RefitConfig, TrainerConfig,
-                                 WarmStartConfig)
+from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, PipelineConfig, RefitConfig,
+                                 TrainerConfig, WarmStartConfig)
 from hybridrl.config.algo import AlgoConfig
 from hybridrl.config.base import ConfigError, _f, check_number
 
@@ -248,6 +248,7 @@ class Config:
     batch: BatchConfig = field(default_factory=BatchConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
@@ -291,9 +292,27 @@ class Config:
             if self.algo.dapo.refill_rounds:
                 raise ConfigError("algo.dapo.refill_rounds > 0 is single-process only for now (ranks would refill "
                                   "different numbers of rounds); set it to 0 with several ranks")
+        self._check_pipeline()
         if not self.data.train_files and self.batch.prompts_per_step > self.data.train_size:
             raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} exceeds "
                               f"data.train_size={self.data.train_size}; lower it or add prompts")
+
+    def _check_pipeline(self) -> None:
+        """What trainer.mode one_step_off / async do not cover (yet), each refused in one line."""
+        mode = self.trainer.mode
+        if mode == "sync":
+            return
+        unsupported = {
+            "env.name": (self.env.name is not None, "agent episodes are sampled by the trainer's episode runner"),
+            "algo.dapo.dynamic_sampling": (self.algo.dapo.dynamic_sampling, "refill rounds need a synchronous "
+                                                                            "sampler"),
+            f"launcher ranks={self.launcher.ranks}": (self.launcher.ranks > 1, "one trainer process feeds the "
+                                                                              "workers for now"),
+        }
+        for key, (bad, why) in unsupported.items():
+            if bad:
+                raise ConfigError(f"trainer.mode={mode} with {key}: not supported yet ({why}); use trainer.mode=sync "
+                                  "or turn it off")
 
 
 GROUPS: dict[str, type] = typing.get_type_hints(Config)

@@ -51,6 +51,10 @@ class TrainerConfig:
     output_dir: str = _f("runs", "parent of the run directory")
     run_name: str = _f("default", "run directory name under output_dir")
     max_nonfinite_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss/gradient")
+    mode: str = _f("sync", "sync: sample, train, refit in turn | one_step_off: the batch of step k+1 is generated "
+                           "with the weights of step k-1 while step k trains (refit between batches) | async: "
+                           "rollout workers generate continuously, in-flight requests continue with each new "
+                           "version (staleness bounded by pipeline.max_staleness)")
 
     def __post_init__(self) -> None:
         check_number(self.eval_every, "trainer.eval_every", low=1)
@@ -59,10 +63,46 @@ class TrainerConfig:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
         check_number(self.max_nonfinite_steps, "trainer.max_nonfinite_steps", low=1)
+        if self.mode not in MODES:
+            raise ConfigError(f"trainer.mode={self.mode!r}: use {' | '.join(MODES)}")
         name = self.run_name
         if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("~"):
             raise ConfigError(f"trainer.run_name={name!r}: must be a plain directory name inside "
                               "trainer.output_dir (no '/', '..' or absolute paths)")
+
+
+MODES = ("sync", "one_step_off", "async")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """How generation and training overlap when ``trainer.mode`` is one_step_off or async."""
+
+    max_staleness: int = _f(1, "async: a sample whose generation started more than this many weight versions before "
+                               "the update that trains it is never trained (generation is throttled, nothing is "
+                               "discarded); 0 = synchronous. one_step_off is 1 by definition")
+    placement: str = _f("disaggregated", "disaggregated: each rollout worker is its own process with its own engine "
+                                         "(weights by shared memory) | colocated: one worker thread in the trainer "
+                                         "process, time-sharing its device")
+    workers: int = _f(1, "disaggregated: rollout worker processes (whole prompt groups are spread over them)")
+    worker_restarts: int = _f(1, "a rollout worker that dies is replaced this many times in a run (its groups are "
+                                 "regenerated); then the job ends with the worker's exit")
+    timeout_s: float = _f(300.0, "every exchange with a rollout worker (requests, results, one refit bucket) "
+                                 "fails within this many seconds instead of hanging")
+    generation_slowdown: float = _f(1.0, "benchmarks: every engine step takes this many times its compute time "
+                                         "(a sleep), emulating a generation-bound cluster")
+
+    def __post_init__(self) -> None:
+        check_number(self.max_staleness, "pipeline.max_staleness", low=0)
+        check_number(self.workers, "pipeline.workers", low=1)
+        check_number(self.worker_restarts, "pipeline.worker_restarts", low=0)
+        check_number(self.timeout_s, "pipeline.timeout_s", low=0, low_open=True)
+        check_number(self.generation_slowdown, "pipeline.generation_slowdown", low=1)
+        if self.placement not in ("disaggregated", "colocated"):
+            raise ConfigError(f"pipeline.placement={self.placement!r}: use disaggregated or colocated")
+        if self.placement == "colocated" and self.workers != 1:
+            raise ConfigError(f"pipeline.workers={self.workers} with pipeline.placement=colocated: a colocated "
+                              "worker is one thread of the trainer process; use workers=1 or disaggregated")
 
 
 @dataclass(kw_only=True)

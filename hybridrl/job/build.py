@@ -115,6 +115,9 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     try:
         longest = max(len(p) for p in train_set.prompts + eval_set.prompts)  # the engine serves both
         step = _step(cfg, model, tokenizer, runner, train_set, longest, device, dp)
+        if cfg.trainer.mode != "sync":
+            step.pipeline = build_pipeline(cfg, model.config, step, longest_prompt=longest, device=device,
+                                           console=console)
         resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
         log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
                          write=dp is None or dp.is_main)
@@ -168,6 +171,42 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
     if cfg.env.name is not None:
         step.episodes = build_episode_sampler(cfg, engine, tokenizer, step.scorer, rollout.sampling)
     return step
+
+
+def build_pipeline(cfg: Config, hf_config, step: RLStep, *, longest_prompt: int, device: torch.device,
+                   console: Console):
+    """``trainer.mode`` one_step_off / async: the pipeline of rollout workers
+    (``pipeline.*``), each with its own engine built like the run's; not started yet
+    (``RLStep.start_pipeline`` does, after the warm start or the resume)."""
+    from hybridrl.pipeline.coordinator import Pipeline
+    from hybridrl.pipeline.producers import LocalProducer, RemoteProducer
+    from hybridrl.pipeline.worker import WorkerSpec
+    from hybridrl.trainer.rollout_worker import RolloutWorker
+
+    p, t = cfg.pipeline, cfg.trainer
+    if p.placement == "colocated":
+        def make_producer(i, sink, wake):
+            engine = build_engine(cfg, hf_config, device=device, ranks=1, longest_prompt=longest_prompt)
+            worker = RolloutWorker(engine, step.rollout.sampling, device=device,
+                                   bucket_bytes=cfg.refit.bucket_mb << 20, verify_refit=cfg.refit.verify)
+            return LocalProducer(i, worker, sink, wake, slowdown=p.generation_slowdown)
+    else:
+        threads = t.threads
+        if threads == 0:  # the host's cores split between the trainer and its workers
+            threads = max(1, (os.cpu_count() or 1) // (p.workers + 1))
+            torch.set_num_threads(threads)
+        spec = WorkerSpec(cfg=cfg, hf_config=hf_config, device=str(device), longest_prompt=longest_prompt,
+                          threads=threads, slowdown=p.generation_slowdown, verify=cfg.refit.verify,
+                          timeout_s=p.timeout_s)
+
+        def make_producer(i, sink, wake):
+            return RemoteProducer(i, spec, sink, wake, bucket_bytes=cfg.refit.bucket_mb << 20)
+    one_step_off = t.mode == "one_step_off"
+    return Pipeline(make_producer=make_producer, workers=p.workers, train_set=step.train_set,
+                    score=step.scorer.score, sampling=step.rollout.sampling,
+                    prompts_per_step=cfg.batch.prompts_per_step, max_staleness=1 if one_step_off else p.max_staleness,
+                    partial=not one_step_off, timeout_s=p.timeout_s, restarts=p.worker_restarts,
+                    pad_id=step.shape.pad_id, device=device, console=console)
 
 
 def build_episode_sampler(cfg: Config, engine, tokenizer, scorer, sampling):

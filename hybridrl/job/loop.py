@@ -40,7 +40,7 @@ def evaluate(run: Run) -> EvalResult:
     if run.step.episodes is not None:  # an agent: greedy episodes, final answers scored
         return evaluate_episodes(run.step.episodes.runner, run.step.scorer, run.eval_set, k=e.k,
                                  temperature=e.temperature, seed=e.seed)
-    return evaluate_prompts(run.step.rollout, run.step.scorer, run.eval_set, k=e.k, temperature=e.temperature,
+    return evaluate_prompts(run.step.fresh_rollout(), run.step.scorer, run.eval_set, k=e.k, temperature=e.temperature,
                             seed=e.seed)
 
 
@@ -117,6 +117,7 @@ def train(cfg: Config) -> TrainResult:
     try:
         return _train(run, cfg, t_start)
     finally:
+        run.step.close()  # the rollout workers of an overlapped run
         run.log.close()
         run.step.scorer.close()
         if run.step.episodes is not None:  # the environment's worker processes
@@ -155,6 +156,7 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
                              f"{cfg.trainer.total_steps}); raise trainer.total_steps to continue it, or choose "
                              "another trainer.run_name")
         run.console(f"resumed from {run.directory.resume_from} at step {loop.step}")
+    run.step.start_pipeline(rng, first_step=loop.step + 1)
     estimator = cfg.algo.advantage.estimator
     main = run.step.dp is None or run.step.dp.is_main
     bar = progress_bar(range(loop.step + 1, cfg.trainer.total_steps + 1), initial=loop.step,

@@ -59,6 +59,14 @@ def rollouts_from_outputs(outputs, pad_token_id: int = 0) -> Rollouts:
     return ro
 
 
+def rollouts_to_device(ro: Rollouts, device: torch.device) -> Rollouts:
+    """Move ``ro``'s tensors to ``device`` (in place; returns ``ro``)."""
+    for name in ("input_ids", "attention_mask", "response_mask", "logprobs", "token_versions", "routed_experts"):
+        if getattr(ro, name) is not None:
+            setattr(ro, name, getattr(ro, name).to(device))
+    return ro
+
+
 def build_rollouts(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
                    finish_reasons: list[str], weight_version: int, pad_token_id: int = 0) -> Rollouts:
     """Pad the per-row lists into trainer tensors (on CPU)."""

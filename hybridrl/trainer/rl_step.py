@@ -66,6 +66,10 @@ class RLStep:
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
         self.dp = dp  # data parallel: this rank's share of every batch
         self.episodes = None  # an EpisodeSampler when the run trains an agent (env.name)
+        # trainer.mode one_step_off / async: the batches come from a Pipeline of rollout
+        # workers, and `rollout` (this process's engine) serves eval, refit on demand
+        self.pipeline = None
+        self._rollout_behind = False
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -99,9 +103,11 @@ class RLStep:
         optimizer states in DCP), the actor's mini-batch shuffling generator, the KL
         coefficient, the engine's weight version. Each component writes its own part."""
         critic = None if self.critic is None else self.critic.state_dict() if optimizers else "dcp"
+        p = self.pipeline
         return {"actor": self.actor.state_dict(optimizer=optimizers), "critic": critic,
                 "kl_ctrl": None if self.kl_ctrl is None else self.kl_ctrl.state_dict(),
-                "rollout": self.rollout.state_dict()}
+                "rollout": self.rollout.state_dict() if p is None else {"weight_version": p.version},
+                "pipeline": None if p is None else p.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` into the built components (weights already loaded), then
@@ -112,6 +118,31 @@ class RLStep:
         if self.kl_ctrl is not None and state["kl_ctrl"] is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.rollout.restore(self.actor.model, state["rollout"])
+        if (self.pipeline is None) != (state.get("pipeline") is None):
+            raise ValueError("checkpoint.resume: the checkpoint was written with another trainer.mode (sync vs "
+                             "one_step_off/async); resume with the run's own trainer.mode")
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(state["pipeline"])
+
+    # ---- overlapped generation (trainer.mode one_step_off / async) ------------------------
+    def start_pipeline(self, rng: random.Random, first_step: int) -> None:
+        """Start the rollout workers with the current policy; step ``first_step`` trains next.
+        The workers draw the steps' prompts from ``rng`` exactly as :meth:`_draw` would."""
+        if self.pipeline is not None:
+            self.pipeline.start(self.actor.model, draw=self._draw, rng=rng, version=self.rollout.version,
+                                first_step=first_step)
+
+    def fresh_rollout(self) -> RolloutWorker:
+        """This process's rollout worker holding the current policy (eval, ReMax baselines):
+        with a pipeline, refit on demand (it is not the engine that generates the batches)."""
+        if self._rollout_behind:
+            self.rollout.catch_up(self.actor.model, self.pipeline.version)
+            self._rollout_behind = False
+        return self.rollout
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def needs_old_log_prob(self) -> bool:
         """Whether the step needs a separate no-grad log-prob pass before the update.
@@ -129,24 +160,32 @@ class RLStep:
     def __call__(self, rng: random.Random) -> dict[str, float]:
         """One RL step; returns its metrics (phase seconds included)."""
         timer, metrics = PhaseTimer(PHASES), {}
-        sb = self.sample_and_score(rng, timer)
-        if self.algo.dapo.dynamic_sampling:
-            sb, rounds = self.refill(sb, rng, timer)
-            metrics["batch/refill_rounds"] = float(rounds)
-        self.rollout.check_on_policy(sb.rollouts)
-        with timer.phase("rollout"):
-            self.rollout.release_memory()  # sampling is done until the refit (rollout.free_cache_engine)
+        if self.pipeline is not None:
+            with timer.phase("rollout"):  # waiting for the batch: the trainer's idle time
+                sb, stale = self.take_from_pipeline(metrics)
+        else:
+            sb, stale = self.sample_and_score(rng, timer), False
+            if self.algo.dapo.dynamic_sampling:
+                sb, rounds = self.refill(sb, rng, timer)
+                metrics["batch/refill_rounds"] = float(rounds)
+            self.rollout.check_on_policy(sb.rollouts)
+            with timer.phase("rollout"):
+                self.rollout.release_memory()  # sampling is done until the refit (rollout.free_cache_engine)
         with timer.phase("log_probs"):
-            metrics.update(self.log_probs(sb))
+            metrics.update(self.log_probs(sb, proximal=stale))
         with timer.phase("advantages"):
             metrics.update(self.advantages(sb))
-            metrics.update(self.corrections(sb))
+            metrics.update(self.corrections(sb, stale=stale))
         with timer.phase("update"):
             metrics.update(self.update(sb))
         with timer.phase("refit"):
-            self.rollout.refit(self.actor.model)
+            if self.pipeline is not None:
+                self.pipeline.publish(self.actor.model)
+                self._rollout_behind = True
+            else:
+                self.rollout.refit(self.actor.model)
         metrics.update(step_metrics(sb, timer))
-        metrics["refit/weight_version"] = self.rollout.version
+        metrics["refit/weight_version"] = self.rollout.version if self.pipeline is None else self.pipeline.version
         if self.dp is not None:
             metrics = self._global_metrics(metrics, sb)
         return metrics
@@ -162,6 +201,17 @@ class RLStep:
         return out
 
     # ---- phases -------------------------------------------------------------------------
+    def take_from_pipeline(self, metrics: dict[str, float]) -> tuple[StepBatch, bool]:
+        """The next step's batch from the pipeline (generated and scored by the workers),
+        its staleness metrics into ``metrics``; also whether any token is stale."""
+        batch = self.pipeline.take(self.actor.model)
+        n = self.shape.samples_per_prompt
+        sb = StepBatch.from_rollouts(batch.batch_idx, [i for i in range(len(batch.batch_idx)) for _ in range(n)],
+                                     batch.rollouts)
+        self.apply_rewards(sb, batch.rewards)
+        metrics.update(batch.metrics)
+        return sb, batch.stale
+
     def sample(self, rng: random.Random) -> StepBatch:
         """Draw prompts (without replacement) and sample ``n`` responses for each.
 
@@ -254,10 +304,13 @@ class RLStep:
             rounds += 1
         return sb, rounds
 
-    def log_probs(self, sb: StepBatch) -> dict[str, float]:
-        """Old log-probs (only when needed, see :meth:`needs_old_log_prob`) and reference log-probs."""
+    def log_probs(self, sb: StepBatch, *, proximal: bool = False) -> dict[str, float]:
+        """Old log-probs (only when needed, see :meth:`needs_old_log_prob`) and reference log-probs.
+        ``proximal``: the batch has stale tokens, so the old log-probs are always computed —
+        they are the proximal policy (the weights at the start of this update) that the
+        decoupled objective clips around; the engine's are the behaviour policy's."""
         ro, metrics = sb.rollouts, {}
-        if self.needs_old_log_prob():
+        if self.needs_old_log_prob() or proximal:
             sb.tensors["old_log_prob"], _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask,
                                                                         ro.response_mask,
                                                                         routed_experts=ro.routed_experts)
@@ -283,7 +336,7 @@ class RLStep:
         sb.values = self.critic.values(sb.update_batch()) if self.critic is not None else None
         baselines = None
         if a.advantage.estimator == "remax":
-            greedy = greedy_scores(self.rollout, self.scorer, self.train_set.subset(sb.batch_idx))
+            greedy = greedy_scores(self.fresh_rollout(), self.scorer, self.train_set.subset(sb.batch_idx))
             baselines = torch.tensor([greedy[i] for i in sb.index], dtype=torch.float32)
         fn = algos.get_adv_estimator(a.advantage.estimator)
         sb.tensors["advantages"], sb.returns = fn(
@@ -292,13 +345,22 @@ class RLStep:
             values=sb.values, reward_baselines=baselines)
         return metrics
 
-    def corrections(self, sb: StepBatch) -> dict[str, float]:
-        """Rollout/trainer mismatch (TIS weights, sequence masking) and DAPO truncation masking."""
+    def corrections(self, sb: StepBatch, *, stale: bool = False) -> dict[str, float]:
+        """Rollout/trainer mismatch (TIS weights, sequence masking), DAPO truncation masking, and
+        for a batch with stale tokens (``stale``) the decoupled PPO weights: behaviour (the
+        engine's per-token log-probs, whatever version sampled each token) -> proximal
+        (``old_log_prob``), capped — the same weight as TIS, so ``tis_cap`` wins when set."""
         c, ro, metrics = self.algo.correction, sb.rollouts, {}
         mask, old = ro.response_mask, sb.tensors.get("old_log_prob")
-        if c.tis_cap is not None:
-            sb.tensors["rollout_is_weights"], m = algos.compute_tis_weights(old, ro.logprobs, mask, tis_cap=c.tis_cap)
+        cap = c.tis_cap if c.tis_cap is not None else c.decoupled_cap if stale and c.decoupled else None
+        if cap is not None:
+            sb.tensors["rollout_is_weights"], m = algos.compute_tis_weights(old, ro.logprobs, mask, tis_cap=cap)
             metrics.update({f"actor/{k}": float(v) for k, v in m.items()})
+        if stale:
+            ratio = torch.exp(old - ro.logprobs)[mask.bool()]
+            metrics.update({"async/is_weight_mean": float(ratio.mean()), "async/is_weight_max": float(ratio.max()),
+                            "async/is_weight_min": float(ratio.min()),
+                            "async/is_capped_fraction": float((ratio > c.decoupled_cap).float().mean())})
         if c.mismatch_seq_upper is not None:
             mask, m = algos.compute_seq_mismatch_mask(old, ro.logprobs, mask, upper=c.mismatch_seq_upper,
                                                       lower=c.mismatch_seq_lower)

@@ -22,7 +22,7 @@ from hybridrl.rollout import Rollouts, SamplingParams
 from hybridrl.config import RefitConfig, RolloutConfig
 from hybridrl.rollout.backend import RolloutBackend, request_seed
 from hybridrl.rollout.requests import RequestOutput
-from hybridrl.rollout.rollouts import rollouts_from_outputs
+from hybridrl.rollout.rollouts import rollouts_from_outputs, rollouts_to_device
 
 
 class StaleRolloutError(RuntimeError):
@@ -60,6 +60,14 @@ class RolloutWorker:
         if _is_fsdp_sharded(model):
             from hybridrl.distributed.refit import refit_sharded as refit
         stats = refit(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit)
+        self.expected_version = self.version
+        return stats
+
+    def catch_up(self, model: torch.nn.Module, version: int) -> RefitStats:
+        """Refit from ``model`` and number the result ``version`` (an engine that joins a run
+        late: a rollout worker of an overlapped run, or the eval engine refit on demand)."""
+        stats = self.refit(model)
+        self.engine.load_state_dict({"weight_version": version})
         self.expected_version = self.version
         return stats
 
@@ -136,12 +144,7 @@ class RolloutWorker:
                 "RolloutWorker.refit or the step order changed; refit before sampling")
 
     def _to_device(self, ro: Rollouts) -> Rollouts:
-        for name in ("input_ids", "attention_mask", "response_mask", "logprobs", "token_versions"):
-            if getattr(ro, name) is not None:
-                setattr(ro, name, getattr(ro, name).to(self.device))
-        if ro.routed_experts is not None:
-            ro.routed_experts = ro.routed_experts.to(self.device)
-        return ro
+        return rollouts_to_device(ro, self.device)
 
 
 def _is_fsdp_sharded(model: torch.nn.Module) -> bool:
