@@ -134,15 +134,19 @@ class Pipeline:
         """Dispatch every group the staleness rule now allows (main thread)."""
         oldest = min(p.version for p in self.producers)
         last = last_admissible_step(oldest, base=self.base, max_staleness=self.max_staleness)
+        todo = []
         for s in range(self.admitted_through + 1, last + 1):
             batch_idx, seeds = self.plan.get(s)
             for g, (row, seed) in enumerate(zip(batch_idx, seeds)):
                 group = self.groups.get((s, g))
                 if group is None:
                     group = self.groups[(s, g)] = Group(step=s, index=g, row=row, seed=seed)
-                if len(group.outputs) < self.n:
-                    self._dispatch([group])
+                if len(group.outputs) < self.n:  # (a restored finished group is not generated again)
+                    todo.append(group)
             self.admitted_through = s
+        # one message per producer: a worker admits them together, in the synchronous order
+        # (the batch a synchronous step decodes, so staleness 0 is bitwise synchronous)
+        self._dispatch(todo)
 
     def _dispatch(self, groups: list[Group]) -> None:
         """Send whole groups to the least-loaded producer (identical prompts share a prefill)."""

@@ -43,6 +43,7 @@ class LocalProducer:
         self._cond = threading.Condition()
         self._pending: list[Request] = []
         self._stop = False
+        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name=f"rollout-{index}", daemon=True)
 
     def start(self, model: torch.nn.Module, version: int) -> None:
@@ -68,6 +69,9 @@ class LocalProducer:
             self._thread.join(timeout=60)
 
     def _run(self) -> None:
+        # OpenMP thread counts are per thread: a new thread would use every core and reduce
+        # in another order than the trainer's setting (trainer.threads)
+        torch.set_num_threads(self._threads)
         engine = self.worker.engine
         try:
             while True:

@@ -185,6 +185,19 @@ def test_golden(case: str, tmp_path: Path) -> None:
     judge(case, rows, env, CASES[case], tmp_path)
 
 
+@pytest.mark.parametrize("case,placement", [("default", "colocated"), ("default", "disaggregated"),
+                                            ("ppo_gae_kl_penalty", "disaggregated")])
+def test_staleness_0_is_synchronous_training(case: str, placement: str, tmp_path: Path) -> None:
+    """``trainer.mode=async`` with ``pipeline.max_staleness=0``: the rollout worker (a thread,
+    or a process refit through shared memory) generates each step only after the previous
+    update, so the run must be the synchronous recording, bit for bit (the pipeline's own
+    ``async/*`` metrics are extra keys)."""
+    overrides = CASES[case] + ["trainer.mode=async", "pipeline.max_staleness=0", f"pipeline.placement={placement}"]
+    rows = run_case(overrides, tmp_path)
+    assert all(row.get("async/staleness_max", 0.0) == 0.0 for row in rows)
+    judge(case, rows, this_env(), overrides, tmp_path)
+
+
 def _machine() -> str:
     import platform
 
