@@ -141,6 +141,9 @@ class RolloutConfig:
                                        "weights (exact) | keep the old KV (an approximation; faster)")
     max_prefill_tokens: int = _f(2048, "built-in engine: new prompt tokens prefilled per scheduler step (decoding "
                                        "rows are never starved by long prompts)")
+    step_latency_ms: float = _f(0.0, "benchmarks: every engine step of a training rollout lasts at least this long "
+                                     "(the rest slept), emulating the decode-step latency of a GPU cluster whose "
+                                     "generation bounds the step; 0 = off")
     prefix_cache_mb: int = _f(256, "built-in engine: memory for retained conversation prefixes (multi-turn "
                                    "requests continue without re-prefill; least recently used evicted)")
 
@@ -149,6 +152,7 @@ class RolloutConfig:
 
         check_number(self.temperature, "rollout.temperature", low=0)
         check_number(self.max_tokens, "rollout.max_tokens", low=1, high=MAX_RESPONSE_TOKENS)
+        check_number(self.step_latency_ms, "rollout.step_latency_ms", low=0)
         try:  # the engine's own checks, one source of truth, reported under this group's keys
             SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                            max_tokens=self.max_tokens, n=self.n)

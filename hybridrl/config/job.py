@@ -85,19 +85,20 @@ class PipelineConfig:
                                          "(weights by shared memory) | colocated: one worker thread in the trainer "
                                          "process, time-sharing its device")
     workers: int = _f(1, "disaggregated: rollout worker processes (whole prompt groups are spread over them)")
+    worker_threads: int = _f(0, "disaggregated: torch CPU threads of each worker process; 0 = the host's cores "
+                                "split evenly between the trainer and the workers (the trainer then uses its "
+                                "share, unless trainer.threads is set)")
     worker_restarts: int = _f(1, "a rollout worker that dies is replaced this many times in a run (its groups are "
                                  "regenerated); then the job ends with the worker's exit")
     timeout_s: float = _f(300.0, "every exchange with a rollout worker (requests, results, one refit bucket) "
                                  "fails within this many seconds instead of hanging")
-    generation_slowdown: float = _f(1.0, "benchmarks: every engine step takes this many times its compute time "
-                                         "(a sleep), emulating a generation-bound cluster")
 
     def __post_init__(self) -> None:
         check_number(self.max_staleness, "pipeline.max_staleness", low=0)
         check_number(self.workers, "pipeline.workers", low=1)
         check_number(self.worker_restarts, "pipeline.worker_restarts", low=0)
+        check_number(self.worker_threads, "pipeline.worker_threads", low=0)
         check_number(self.timeout_s, "pipeline.timeout_s", low=0, low_open=True)
-        check_number(self.generation_slowdown, "pipeline.generation_slowdown", low=1)
         if self.placement not in ("disaggregated", "colocated"):
             raise ConfigError(f"pipeline.placement={self.placement!r}: use disaggregated or colocated")
         if self.placement == "colocated" and self.workers != 1:

@@ -189,14 +189,14 @@ def build_pipeline(cfg: Config, hf_config, step: RLStep, *, longest_prompt: int,
             engine = build_engine(cfg, hf_config, device=device, ranks=1, longest_prompt=longest_prompt)
             worker = RolloutWorker(engine, step.rollout.sampling, device=device,
                                    bucket_bytes=cfg.refit.bucket_mb << 20, verify_refit=cfg.refit.verify)
-            return LocalProducer(i, worker, sink, wake, slowdown=p.generation_slowdown)
+            return LocalProducer(i, worker, sink, wake, step_latency_s=cfg.rollout.step_latency_ms / 1000)
     else:
-        threads = t.threads
-        if threads == 0:  # the host's cores split between the trainer and its workers
-            threads = max(1, (os.cpu_count() or 1) // (p.workers + 1))
-            torch.set_num_threads(threads)
+        share = max(1, (os.cpu_count() or 1) // (p.workers + 1))  # the host's cores, split evenly
+        threads = p.worker_threads or t.threads or share
+        if t.threads == 0:
+            torch.set_num_threads(share)
         spec = WorkerSpec(cfg=cfg, hf_config=hf_config, device=str(device), longest_prompt=longest_prompt,
-                          threads=threads, slowdown=p.generation_slowdown, verify=cfg.refit.verify,
+                          threads=threads, step_latency_s=cfg.rollout.step_latency_ms / 1000, verify=cfg.refit.verify,
                           timeout_s=p.timeout_s)
 
         def make_producer(i, sink, wake):

@@ -110,6 +110,8 @@ class Pipeline:
             for rec in self._restored["finished"]:
                 self._restore_group(rec)
             self.consumed = [tuple(x) for x in self._restored["consumed"].tolist()]
+            self.console(f"pipeline: {len(self._restored['finished'])} finished prompt groups restored from the "
+                         f"checkpoint (the unfinished ones of steps {first_step}+ are generated again)")
             self._restored = None
         for i in range(self.workers):
             self.producers.append(self._new_producer(i, model, version))

@@ -22,6 +22,7 @@ import torch
 
 from hybridrl.pipeline.worker import WorkerSpec, worker_main
 from hybridrl.refit.errors import RefitError
+from hybridrl.rollout.backend import pad_step
 
 Sink = Callable[[int, list], None]
 Request = tuple  # (request_id, prompt token ids, SamplingParams with n=1)
@@ -34,8 +35,9 @@ class ProducerError(RuntimeError):
 class LocalProducer:
     """A generation thread on ``worker.engine`` (a ``RolloutWorker`` of its own)."""
 
-    def __init__(self, index: int, worker, sink: Sink, wake: Callable[[], None], *, slowdown: float = 1.0):
-        self.index, self.worker, self._sink, self._wake, self.slowdown = index, worker, sink, wake, slowdown
+    def __init__(self, index: int, worker, sink: Sink, wake: Callable[[], None], *, step_latency_s: float = 0.0):
+        self.index, self.worker, self._sink, self._wake = index, worker, sink, wake
+        self.step_latency_s = step_latency_s
         self.version: int | None = None
         self.failure: str | None = None
         self.idle_seconds = 0.0
@@ -88,8 +90,7 @@ class LocalProducer:
                     for rid, prompt, params in pending:
                         engine.add_request(rid, prompt, params)
                     out = engine.step() if engine.has_unfinished_requests() else None
-                if self.slowdown > 1:
-                    time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
+                pad_step(t0, self.step_latency_s)
                 if out is not None and out.finished:
                     self._sink(self.index, out.finished)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer, which decides

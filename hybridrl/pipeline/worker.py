@@ -35,7 +35,7 @@ class WorkerSpec:
     device: str
     longest_prompt: int
     threads: int  # torch CPU threads of the worker
-    slowdown: float  # pipeline.generation_slowdown
+    step_latency_s: float  # rollout.step_latency_ms / 1000
     verify: bool  # refit.verify
     timeout_s: float  # pipeline.timeout_s
 
@@ -44,6 +44,7 @@ def worker_main(spec: WorkerSpec, conn, channel) -> None:
     """The process body (spawned): build the engine, then serve until told to stop."""
     from hybridrl.job.build import build_engine
     from hybridrl.refit.shm import serve_refit
+    from hybridrl.rollout.backend import pad_step
 
     torch.set_num_threads(spec.threads)
     try:
@@ -73,8 +74,7 @@ def worker_main(spec: WorkerSpec, conn, channel) -> None:
                 continue
             t0 = time.perf_counter()
             out = engine.step()
-            if spec.slowdown > 1:
-                time.sleep((spec.slowdown - 1) * (time.perf_counter() - t0))
+            pad_step(t0, spec.step_latency_s)
             if out.finished:
                 conn.send(("finished", out.finished, idle))
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -227,3 +227,14 @@ def request_seed(seed: int | None, j: int) -> int:
     if seed is None:
         return int(torch.randint(0, 2**62, (1,)))
     return seed if j == 0 else (seed * 1_000_003 + j) % 2**62
+
+
+def pad_step(started: float, latency_s: float) -> None:
+    """Sleep until ``latency_s`` seconds after ``started`` (``time.perf_counter()``): the
+    emulated decode-step latency of ``rollout.step_latency_ms`` (benchmarks); 0 = return."""
+    if latency_s > 0:
+        import time
+
+        left = latency_s - (time.perf_counter() - started)
+        if left > 0:
+            time.sleep(left)

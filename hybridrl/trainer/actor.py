@@ -108,11 +108,20 @@ class Actor:
                                         routed_experts=routed_experts,
                                         with_entropy=with_entropy)
 
-    def update(self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int) -> dict[str, float]:
+    def update(self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int,
+               proximal_is_cap: float | None = None) -> dict[str, float]:
         """PPO-style epochs over mini-batches shuffled by the actor's own generator. ``batch`` holds ``[N, L]`` tensors:
         input_ids, attention_mask, response_mask, advantages, and optionally old_log_prob
         (absent = on-policy: one epoch over one mini-batch), ref_log_prob,
-        rollout_log_prob, rollout_is_weights."""
+        rollout_log_prob, rollout_is_weights.
+
+        ``proximal_is_cap`` (stale tokens, no old-log-prob pass): the decoupled weights
+        ``min(exp(logp_prox - rollout_log_prob), cap)`` from the update's own forward — with
+        one epoch over one mini-batch the weights at the start of the update *are* the ones
+        being updated, so that forward is the proximal policy and no separate pass is needed."""
+        if proximal_is_cap is not None and ("old_log_prob" in batch or "rollout_is_weights" in batch):
+            raise ValueError("Actor.update: proximal_is_cap is for an update without old_log_prob / "
+                             "rollout_is_weights (their pass already gives the weights)")
         if "old_log_prob" not in batch and (epochs > 1 or mini_batch_size < batch["input_ids"].shape[0]):
             raise ValueError("Actor.update: without old_log_prob the update must be one epoch over one "
                              "mini-batch (on-policy); compute old log-probs first")
@@ -124,7 +133,7 @@ class Actor:
             order = torch.randperm(n, generator=self.generator)
             for start in range(0, n, mini_batch_size):
                 idx = order[start:start + mini_batch_size]
-                metrics = self._mini_batch_step({k: v[idx] for k, v in batch.items()})
+                metrics = self._mini_batch_step({k: v[idx] for k, v in batch.items()}, proximal_is_cap)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
@@ -132,7 +141,7 @@ class Actor:
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def _mini_batch_step(self, mb: dict[str, torch.Tensor]):
+    def _mini_batch_step(self, mb: dict[str, torch.Tensor], proximal_is_cap: float | None = None):
         pl, kl, temperature = self.policy_loss, self.kl, self.temperature
         lengths = mb["attention_mask"].sum(-1)
         # Shared-prefix forward when rows carry their group and the mini-batch is one
@@ -169,12 +178,17 @@ class Actor:
             # On-policy fast path: without a separate old-log-prob pass, the policy that
             # sampled is the one being updated, so old = current (detached), ratio = 1.
             old_log_prob = micro.get("old_log_prob", log_prob.detach())
+            is_weights, is_metrics = micro.get("rollout_is_weights"), {}
+            if proximal_is_cap is not None:
+                is_weights, is_metrics = proximal_weights(old_log_prob, micro["rollout_log_prob"],
+                                                          micro["response_mask"], proximal_is_cap)
             pg_loss, pg_metrics = policy_loss_fn(
                 old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro["advantages"],
                 response_mask=micro["response_mask"], clip=clip,
-                rollout_is_weights=micro.get("rollout_is_weights"), aggregation=aggregation)
+                rollout_is_weights=is_weights, aggregation=aggregation)
             loss = pg_loss
             metrics = {f"actor/{k}": float(v) * w / total_w for k, v in pg_metrics.items()}
+            metrics.update({k: v * w / total_w for k, v in is_metrics.items()})
             metrics["actor/pg_loss"] = float(pg_loss.detach())
             ent = algos.entropy_bonus(entropy, micro["response_mask"], **agg)
             metrics["actor/entropy"] = float(ent.detach())
@@ -205,3 +219,18 @@ class Actor:
         acc["actor/grad_norm"] = grad_norm
         acc["actor/padding_fraction"] = padding_fraction(lengths.tolist(), micros)
         return acc
+
+
+def proximal_weights(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                     cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO's per-token importance weights behaviour -> proximal, ``[B, L]``
+    (0 outside ``mask``, capped at ``cap``), and their statistics before the cap (the
+    ``async/is_*`` metrics). All inputs ``[B, L]``, the log-probs float32."""
+    ratio = torch.exp(proximal - behaviour)
+    inside = mask.bool()
+    r = ratio[inside]
+    if r.numel() == 0:
+        return torch.zeros_like(ratio), {}
+    stats = {"async/is_weight_mean": float(r.mean()), "async/is_weight_max": float(r.max()),
+             "async/is_weight_min": float(r.min()), "async/is_capped_fraction": float((r > cap).float().mean())}
+    return torch.where(inside, ratio.clamp(max=cap), 0.0), stats

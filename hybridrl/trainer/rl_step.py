@@ -20,7 +20,7 @@ from hybridrl import algos
 from hybridrl.config import AlgoConfig, Config
 from hybridrl.distributed.context import DistContext
 from hybridrl.rewards import RewardBatch
-from hybridrl.trainer.actor import Actor
+from hybridrl.trainer.actor import Actor, proximal_weights
 from hybridrl.trainer.critic import Critic
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.reference import Reference
@@ -172,7 +172,7 @@ class RLStep:
             with timer.phase("rollout"):
                 self.rollout.release_memory()  # sampling is done until the refit (rollout.free_cache_engine)
         with timer.phase("log_probs"):
-            metrics.update(self.log_probs(sb, proximal=stale))
+            metrics.update(self.log_probs(sb))
         with timer.phase("advantages"):
             metrics.update(self.advantages(sb))
             metrics.update(self.corrections(sb, stale=stale))
@@ -304,13 +304,13 @@ class RLStep:
             rounds += 1
         return sb, rounds
 
-    def log_probs(self, sb: StepBatch, *, proximal: bool = False) -> dict[str, float]:
+    def log_probs(self, sb: StepBatch) -> dict[str, float]:
         """Old log-probs (only when needed, see :meth:`needs_old_log_prob`) and reference log-probs.
-        ``proximal``: the batch has stale tokens, so the old log-probs are always computed —
-        they are the proximal policy (the weights at the start of this update) that the
-        decoupled objective clips around; the engine's are the behaviour policy's."""
+        With stale tokens the old log-probs are the proximal policy (the weights at the start
+        of this update) that the decoupled objective clips around, the engine's the behaviour
+        policy's; an on-policy-shaped update gets the proximal ones from its own forward."""
         ro, metrics = sb.rollouts, {}
-        if self.needs_old_log_prob() or proximal:
+        if self.needs_old_log_prob():
             sb.tensors["old_log_prob"], _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask,
                                                                         ro.response_mask,
                                                                         routed_experts=ro.routed_experts)
@@ -349,18 +349,20 @@ class RLStep:
         """Rollout/trainer mismatch (TIS weights, sequence masking), DAPO truncation masking, and
         for a batch with stale tokens (``stale``) the decoupled PPO weights: behaviour (the
         engine's per-token log-probs, whatever version sampled each token) -> proximal
-        (``old_log_prob``), capped — the same weight as TIS, so ``tis_cap`` wins when set."""
+        (``old_log_prob``), capped — the same weight as TIS, so ``tis_cap`` wins when set.
+        Without an old-log-prob pass (an on-policy-shaped update) the update computes them
+        from its own forward (``Actor.update(proximal_is_cap=...)``)."""
         c, ro, metrics = self.algo.correction, sb.rollouts, {}
         mask, old = ro.response_mask, sb.tensors.get("old_log_prob")
         cap = c.tis_cap if c.tis_cap is not None else c.decoupled_cap if stale and c.decoupled else None
-        if cap is not None:
+        sb.proximal_is_cap = None
+        if cap is not None and old is None:
+            sb.proximal_is_cap = cap
+        elif cap is not None:
             sb.tensors["rollout_is_weights"], m = algos.compute_tis_weights(old, ro.logprobs, mask, tis_cap=cap)
             metrics.update({f"actor/{k}": float(v) for k, v in m.items()})
-        if stale:
-            ratio = torch.exp(old - ro.logprobs)[mask.bool()]
-            metrics.update({"async/is_weight_mean": float(ratio.mean()), "async/is_weight_max": float(ratio.max()),
-                            "async/is_weight_min": float(ratio.min()),
-                            "async/is_capped_fraction": float((ratio > c.decoupled_cap).float().mean())})
+            if stale:
+                metrics.update(proximal_weights(old, ro.logprobs, mask, cap)[1])
         if c.mismatch_seq_upper is not None:
             mask, m = algos.compute_seq_mismatch_mask(old, ro.logprobs, mask, upper=c.mismatch_seq_upper,
                                                       lower=c.mismatch_seq_lower)
@@ -385,7 +387,7 @@ class RLStep:
         kept = sb.update_batch(keep)
         ranks = self.dp.world_size if self.dp is not None else 1  # each rank steps on its share
         metrics.update(self.actor.update(kept, mini_batch_size=min(self.shape.mini_batch_size // ranks, len(keep)),
-                                         epochs=self.shape.epochs))
+                                         epochs=self.shape.epochs, proximal_is_cap=sb.proximal_is_cap))
         if self.critic is not None:
             metrics.update(self.critic.update({**kept, "returns": sb.returns[keep], "values": sb.values[keep]}))
         return metrics

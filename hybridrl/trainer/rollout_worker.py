@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Callable
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from hybridrl.refit import RefitStats, refit_from_model
 from hybridrl.rollout import Rollouts, SamplingParams
 from hybridrl.config import RefitConfig, RolloutConfig
-from hybridrl.rollout.backend import RolloutBackend, request_seed
+from hybridrl.rollout.backend import RolloutBackend, pad_step, request_seed
 from hybridrl.rollout.requests import RequestOutput
 from hybridrl.rollout.rollouts import rollouts_from_outputs, rollouts_to_device
 
@@ -33,8 +34,9 @@ class RolloutWorker:
     """``engine`` plus the run's sampling settings; tensors come back on ``device``."""
 
     def __init__(self, engine: RolloutBackend, sampling: SamplingParams, *, device: torch.device,
-                 bucket_bytes: int, verify_refit: bool):
+                 bucket_bytes: int, verify_refit: bool, step_latency_s: float = 0.0):
         self.engine = engine
+        self.step_latency_s = step_latency_s  # rollout.step_latency_ms: a training-rollout step lasts at least this
         self.sampling = sampling  # n, temperature, top-k/p, max_tokens, stop ids (seed set per prompt)
         self.device = device
         self.bucket_bytes, self.verify_refit = bucket_bytes, verify_refit
@@ -46,7 +48,7 @@ class RolloutWorker:
                     eos_token_id: int | None, device: torch.device) -> RolloutWorker:
         """The run's worker: ``rollout.*`` sampling (stopping at ``eos_token_id``) and ``refit.*``."""
         return cls(engine, sampling_params(rollout, eos_token_id), device=device, bucket_bytes=refit.bucket_mb << 20,
-                   verify_refit=refit.verify)
+                   verify_refit=refit.verify, step_latency_s=rollout.step_latency_ms / 1000)
 
     @property
     def version(self) -> int:
@@ -111,7 +113,10 @@ class RolloutWorker:
         left = [n] * len(prompts)
         try:
             while len(done) < len(group_of):
-                for out in self.engine.step().finished:
+                t0 = time.perf_counter()
+                finished = self.engine.step().finished
+                pad_step(t0, self.step_latency_s)
+                for out in finished:
                     g = group_of.get(out.request_id)
                     if g is None:
                         continue  # someone else's request sharing the engine

@@ -32,6 +32,7 @@ class StepBatch:
     values: torch.Tensor | None = None  # [B, L] critic values (gae)
     failures: int = 0  # reward calls that failed (scored 0)
     extras: dict[str, float] = field(default_factory=dict)  # reward-reported metrics (batch means)
+    proximal_is_cap: float | None = None  # stale tokens, no old-log-prob pass: the update weights them
     loss_mask: torch.Tensor | None = None  # [B, L] the response tokens the losses count (after corrections)
     episode_metrics: dict[str, float] = field(default_factory=dict)  # agent runs: turns, tool calls, ...
 

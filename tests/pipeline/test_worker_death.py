@@ -1,0 +1,57 @@
+"""A rollout worker killed mid-step: replaced (its unfinished groups generated again, the
+run completes), or — with no restarts left — the job ends with one line, never a hang."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+
+import pytest
+
+from _async_run import ASYNC_JOB
+
+from hybridrl.config.io import load_config
+from hybridrl.job.loop import train
+from hybridrl.pipeline import producers
+from hybridrl.pipeline.producers import ProducerError
+
+
+def _kill_first_worker_mid_run(monkeypatch) -> list:
+    """SIGKILL the first rollout worker process a random moment after it got its first requests."""
+    started: list = []
+    original = producers.RemoteProducer.submit
+
+    def submit(self, requests):
+        original(self, requests)
+        if not started:
+            started.append(self)
+            delay = random.Random().uniform(0.05, 0.5)
+            threading.Timer(delay, os.kill, (self.process.pid, signal.SIGKILL)).start()
+
+    monkeypatch.setattr(producers.RemoteProducer, "submit", submit)
+    return started
+
+
+def _job(tmp_path, restarts: int) -> list[str]:
+    return ASYNC_JOB + ["trainer.total_steps=4", "checkpoint.save=false", "pipeline.max_staleness=1",
+                        "rollout.step_latency_ms=30", f"pipeline.worker_restarts={restarts}",
+                        "pipeline.timeout_s=60", f"trainer.output_dir={tmp_path}"]
+
+
+def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path, monkeypatch, capsys) -> None:
+    killed = _kill_first_worker_mid_run(monkeypatch)
+    result = train(load_config(None, _job(tmp_path, restarts=1)))
+    assert killed and not killed[0].process.is_alive()
+    out = capsys.readouterr()
+    assert "died mid-step" in out.out + out.err and "replacing it (1 of 1 restarts)" in out.out + out.err
+    assert [row["step"] for row in result.history if "reward/mean" in row] == [1, 2, 3, 4]
+
+
+def test_a_killed_worker_without_restarts_ends_the_job_in_one_line(tmp_path, monkeypatch) -> None:
+    _kill_first_worker_mid_run(monkeypatch)
+    with pytest.raises(ProducerError) as err:
+        train(load_config(None, _job(tmp_path, restarts=0)))
+    message = str(err.value)
+    assert "\n" not in message and "died" in message and "pipeline.worker_restarts=0 used up" in message
