@@ -199,10 +199,18 @@ def build_pipeline(cfg: Config, hf_config, step: RLStep, *, longest_prompt: int,
                           threads=threads, step_latency_s=cfg.rollout.step_latency_ms / 1000, verify=cfg.refit.verify,
                           timeout_s=p.timeout_s)
 
-        def make_producer(i, sink, wake):
-            return RemoteProducer(i, spec, sink, wake, bucket_bytes=cfg.refit.bucket_mb << 20)
+        if cfg.launcher.name == "ray":  # rollout workers as Ray actors, placed by Ray (weights: object store)
+            from hybridrl.pipeline.ray_producer import RayProducer
+
+            def make_producer(i, sink, wake):
+                return RayProducer(i, spec, sink, wake, cpus=threads, gpus=1 if device.type == "cuda" else 0)
+        else:
+            def make_producer(i, sink, wake):
+                return RemoteProducer(i, spec, sink, wake, bucket_bytes=cfg.refit.bucket_mb << 20)
     one_step_off = t.mode == "one_step_off"
-    return Pipeline(make_producer=make_producer, workers=p.workers, train_set=step.train_set,
+    placement = ("a thread of the trainer process" if p.placement == "colocated" else
+                 "Ray actors" if cfg.launcher.name == "ray" else "processes (weights by shared memory)")
+    return Pipeline(placement=placement, make_producer=make_producer, workers=p.workers, train_set=step.train_set,
                     score=step.scorer.score, sampling=step.rollout.sampling,
                     prompts_per_step=cfg.batch.prompts_per_step, max_staleness=1 if one_step_off else p.max_staleness,
                     partial=not one_step_off, timeout_s=p.timeout_s, restarts=p.worker_restarts,

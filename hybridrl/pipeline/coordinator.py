@@ -75,8 +75,8 @@ class Pipeline:
     def __init__(self, *, make_producer: Callable[[int, Callable, Callable], object], workers: int, train_set,
                  score: Callable[[list[list[int]], list, list[str]], RewardBatch], sampling: SamplingParams,
                  prompts_per_step: int, max_staleness: int, partial: bool, timeout_s: float, restarts: int,
-                 pad_id: int, device: torch.device, console: Callable[[str], None]):
-        self.make_producer, self.workers = make_producer, workers
+                 pad_id: int, device: torch.device, console: Callable[[str], None], placement: str = ""):
+        self.make_producer, self.workers, self.placement = make_producer, workers, placement
         self.train_set, self.score, self.sampling = train_set, score, sampling
         self.n, self.prompts_per_step = sampling.n, prompts_per_step
         self.max_staleness, self.partial = max_staleness, partial
@@ -115,6 +115,9 @@ class Pipeline:
             self._restored = None
         for i in range(self.workers):
             self.producers.append(self._new_producer(i, model, version))
+        mode = "async (partial rollouts)" if self.partial else "one_step_off"
+        self.console(f"pipeline: {mode}, max_staleness {self.max_staleness}, {self.workers} rollout worker(s)"
+                     f"{' as ' + self.placement if self.placement else ''}")
         self._admit()
 
     def close(self) -> None:

@@ -90,3 +90,29 @@ def test_ray_two_simulated_hosts_strict_spread(tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_ray_async_rollout_worker_on_another_host(tmp_path, capfd):
+    """trainer.mode=async under launcher.name=ray: the rollout worker is a Ray actor; with two
+    one-CPU nodes it lands on the other node than the trainer's rank, and every refit crosses
+    the object store (verified)."""
+    from ray.cluster_utils import Cluster
+
+    from hybridrl.config.io import load_config
+    from hybridrl.launch.ray_cluster import launch_ray
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address)
+        cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=async",
+                                        "launcher.name=ray", "trainer.mode=async", "pipeline.max_staleness=1"])
+        launch_ray(cfg)
+        rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1, 2, 3]
+        assert max(r["async/staleness_max"] for r in rows[1:]) == 1  # overlapped, within the bound
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    out = capfd.readouterr()
+    assert "1 rollout worker(s) as Ray actors" in out.out + out.err

@@ -1,0 +1,143 @@
+"""Rollout workers as Ray actors (``pipeline.placement=disaggregated`` under
+``launcher.name=ray``): each worker is an actor with its own engine, placed by Ray — on
+another node of the cluster as readily as on this one. Weights travel through Ray's
+object store (one ``ray.put`` of the policy per refit, shared by every worker), in the
+same begin / load / finish bracket and verifier as every refit; every call has a timeout.
+
+Inside the actor a :class:`~hybridrl.pipeline.producers.LocalProducer` drives the engine
+on its own thread, so a refit or new requests reach it while it decodes (the actor runs
+its methods on a few threads: ``max_concurrency``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from hybridrl.pipeline.producers import ProducerError, Request, Sink
+from hybridrl.pipeline.worker import WorkerSpec
+
+
+class RolloutActor:
+    """The actor body: an engine built like the run's, served by a LocalProducer."""
+
+    def __init__(self, spec: WorkerSpec):
+        from hybridrl.job.build import build_engine
+        from hybridrl.pipeline.producers import LocalProducer
+        from hybridrl.trainer.rollout_worker import RolloutWorker
+
+        torch.set_num_threads(spec.threads)
+        engine = build_engine(spec.cfg, spec.hf_config, device=torch.device(spec.device), ranks=1,
+                              longest_prompt=spec.longest_prompt)
+        worker = RolloutWorker(engine, None, device=torch.device(spec.device), bucket_bytes=spec.cfg.refit.bucket_mb << 20,
+                               verify_refit=spec.verify)
+        self._finished: queue.Queue = queue.Queue()
+        self._producer = LocalProducer(0, worker, lambda _, outs: self._finished.put(outs), lambda: None,
+                                       step_latency_s=spec.step_latency_s)
+
+    def start(self, named: list, version: int) -> None:
+        self._producer.start(named, version)
+
+    def submit(self, requests: list) -> None:
+        self._producer.submit(requests)
+
+    def refit(self, named: list, version: int) -> None:
+        self._producer.refit(named, version)
+
+    def poll(self, timeout_s: float) -> tuple[list, float, str | None]:
+        """Finished samples (waits up to ``timeout_s`` for the first), idle seconds, failure."""
+        out = []
+        try:
+            out.extend(self._finished.get(timeout=timeout_s))
+            while True:
+                out.extend(self._finished.get_nowait())
+        except queue.Empty:
+            pass
+        return out, self._producer.idle_seconds, self._producer.failure
+
+    def close(self) -> None:
+        self._producer.close()
+
+
+class RayProducer:
+    """The trainer's handle on one :class:`RolloutActor`; a collector thread polls it."""
+
+    def __init__(self, index: int, spec: WorkerSpec, sink: Sink, wake: Callable[[], None], *, cpus: int = 1,
+                 gpus: float = 0):
+        import ray
+
+        self.index, self.spec, self._sink, self._wake = index, spec, sink, wake
+        self.version: int | None = None
+        self.failure: str | None = None
+        self.idle_seconds = 0.0
+        self._closing = False
+        self.actor = ray.remote(RolloutActor).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
+                                                      max_concurrency=4, name=None).remote(spec)
+        self._collector: threading.Thread | None = None
+
+    def _get(self, ref, what: str):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref, timeout=self.spec.timeout_s)
+        except GetTimeoutError:
+            raise ProducerError(f"rollout worker {self.index} (Ray actor) did not answer {what} within "
+                                f"{self.spec.timeout_s:g} s (pipeline.timeout_s)") from None
+        except (RayActorError, RayTaskError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ProducerError(f"rollout worker {self.index} (Ray actor) died {what} ({type(e).__name__}: "
+                                f"{first[:200]})") from None
+
+    def start(self, model: torch.nn.Module, version: int) -> None:
+        self._get(self.actor.start.remote(_named(model), version), "while starting")
+        self.version = version
+        self._collector = threading.Thread(target=self._collect, name=f"rollout-{self.index}-results", daemon=True)
+        self._collector.start()
+
+    def submit(self, requests: list[Request]) -> None:
+        self.actor.submit.remote(requests)  # calls from one caller run in order
+
+    def refit(self, model: torch.nn.Module, version: int) -> None:
+        self._get(self.actor.refit.remote(_named(model), version), "on a refit")
+        self.version = version
+
+    def _collect(self) -> None:
+        while not self._closing:
+            try:
+                outputs, idle, failure = self._get(self.actor.poll.remote(0.5), "mid-step")
+            except ProducerError as e:
+                if not self._closing:
+                    self.failure = str(e)
+                    self._wake()
+                return
+            self.idle_seconds = idle
+            if outputs:
+                self._sink(self.index, outputs)
+            if failure:
+                self.failure = failure
+                self._wake()
+                return
+
+    def close(self) -> None:
+        import ray
+
+        self._closing = True
+        if self._collector is not None:
+            self._collector.join(timeout=5)
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def _named(model: torch.nn.Module):
+    """The policy's tensors as one object-store entry (every worker reads the same one)."""
+    import ray
+
+    from hybridrl.refit.transport import named_trainer_tensors
+
+    return ray.put([(n, t.detach().cpu()) for n, t in named_trainer_tensors(model)])
