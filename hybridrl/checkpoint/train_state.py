@@ -63,8 +63,8 @@ def write_training_state(directory: Path, run, loop: LoopState, rng: random.Rand
         "loop": vars(loop).copy(),
         "step": step.state_dict(optimizers=not sharded),
         "rng": {
-            "python_step": _python_state(rng.getstate()),
-            "python_global": _python_state(random.getstate()),
+            "python_step": python_rng_state(rng.getstate()),
+            "python_global": python_rng_state(random.getstate()),
             "torch": torch.get_rng_state(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
         },
@@ -101,8 +101,8 @@ def read_training_state(directory: Path, run, rng: random.Random) -> LoopState:
         if step.reference is not None:
             load_model(step.reference.model, str(directory / REFERENCE_FILE))
     r = state["rng"]
-    rng.setstate(_python_tuple(r["python_step"]))
-    random.setstate(_python_tuple(r["python_global"]))
+    rng.setstate(python_rng_tuple(r["python_step"]))
+    random.setstate(python_rng_tuple(r["python_global"]))
     torch.set_rng_state(r["torch"])
     kind, keys, *rest = r["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), int(rest[0]), int(rest[1]), rest[2]))
@@ -145,11 +145,13 @@ def load_policy_weights(model: torch.nn.Module, directory: Path) -> None:
                          "resume with the run's own config")
 
 
-def _python_state(state: tuple) -> list:
+def python_rng_state(state: tuple) -> list:
+    """``random.Random.getstate()`` as lists (what ``torch.load(weights_only=True)`` reads)."""
     version, internal, gauss = state
     return [version, list(internal), gauss]
 
 
-def _python_tuple(state: list) -> tuple:
+def python_rng_tuple(state: list) -> tuple:
+    """The inverse of :func:`python_rng_state` (for ``setstate``)."""
     version, internal, gauss = state
     return (version, tuple(internal), gauss)

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from hybridrl.checkpoint.train_state import python_rng_state, python_rng_tuple
 from hybridrl.pipeline.plan import Draw, PromptPlan
 from hybridrl.pipeline.producers import ProducerError
 from hybridrl.pipeline.staleness import last_admissible_step, staleness_metrics
@@ -104,7 +105,7 @@ class Pipeline:
             if saved["next_step"] != first_step:
                 raise ValueError(f"checkpoint: pipeline state is for step {saved['next_step']}, the run resumes at "
                                  f"step {first_step}; the checkpoint is inconsistent, resume from an earlier one")
-            rng.setstate(_rng_tuple(saved["plan_rng"]))
+            rng.setstate(python_rng_tuple(saved["plan_rng"]))
         self.plan = PromptPlan(draw, rng, first_step)
         if self._restored is not None:
             for rec in self._restored["finished"]:
@@ -292,7 +293,7 @@ class Pipeline:
             records = [{"step": g.step, "index": g.index, "row": g.row, "seed": g.seed,
                         "outputs": [_output_record(g.outputs[j]) for j in range(self.n)]} for g in finished]
         return {"next_step": self.next_step, "version": self.version,
-                "plan_rng": _rng_list(self.plan.state_before(self.next_step)), "finished": records,
+                "plan_rng": python_rng_state(self.plan.state_before(self.next_step)), "finished": records,
                 "consumed": torch.tensor(self.consumed, dtype=torch.long).reshape(-1, 3)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -308,13 +309,3 @@ class Pipeline:
 
 def _output_record(o: RequestOutput) -> dict:
     return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
-
-
-def _rng_list(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _rng_tuple(state: list) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

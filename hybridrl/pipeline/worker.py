@@ -42,7 +42,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, conn, channel) -> None:
     """The process body (spawned): build the engine, then serve until told to stop."""
-    from hybridrl.job.build import build_engine
+    from hybridrl.job.engine_factory import build_engine
     from hybridrl.refit.shm import serve_refit
     from hybridrl.rollout.backend import pad_step
 

@@ -1,0 +1,30 @@
+"""The run's rollout engine from its config: one function, used by the trainer process
+and by every rollout worker (a process or Ray actor of an overlapped run), so all of them
+build the same engine."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.config import Config
+
+
+def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int):
+    """The run's rollout engine (``rollout.backend``), sized for this rank's share of a
+    step's responses and the longest prompt plus ``rollout.max_tokens``."""
+    from hybridrl.rollout import EngineSpec
+
+    r, t = cfg.rollout, cfg.trainer
+    spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks, 256),
+                      max_seq_len=cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
+                      quantization=r.quantization)
+    if r.backend == "vllm":
+        from hybridrl.vllm_backend import VllmEngine
+
+        return VllmEngine(hf_config, spec, seed=t.seed, enforce_eager=r.enforce_eager,
+                          free_cache_engine=r.free_cache_engine, kv_on_refit=r.kv_on_refit)
+    from hybridrl.rollout import RolloutEngine
+
+    return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,
+                         kv_on_refit=r.kv_on_refit, max_prefill_tokens=r.max_prefill_tokens,
+                         prefix_cache_bytes=r.prefix_cache_mb << 20)
