@@ -5,7 +5,7 @@ one-step-off vs async, one trainer process and one rollout process on this machi
     python benchmarks/async.py --parity 3 [--json PATH]      # learning parity, the full default job
 
 Each case is the default job (``hybridrl train``: the arithmetic task, GRPO) from the same
-warm start, trained ``--steps`` RL steps (quick: 10 from a 200-step warm start):
+warm start, trained ``--steps`` RL steps (quick: 8 from a 100-step warm start, a smoke run):
 
   * baseline ``sync``: ``trainer.mode=sync``, one process on every core (``trainer.threads=0``:
     how a user runs it) — sample, score, train, refit in turn;
@@ -91,9 +91,10 @@ def train_case(overrides: list[str], out: str, name: str) -> Run:
 
 def throughput(args, out: str) -> list[dict]:
     quick = args.quick
-    steps = args.steps or (10 if quick else 60)
-    base = [f"trainer.total_steps={steps}", f"trainer.eval_every={args.eval_every or (5 if quick else 10)}",
-            f"warm_start.steps={200 if quick else 1000}", "eval.k=0", f"trainer.seed={args.seed}"]
+    steps = args.steps or (8 if quick else 60)
+    base = [f"trainer.total_steps={steps}", f"trainer.eval_every={args.eval_every or (steps if quick else 10)}",
+            f"warm_start.steps={100 if quick else 1000}", "eval.k=0", f"trainer.seed={args.seed}",
+            *(["data.train_size=2000", "data.eval_size=64"] if quick else [])]
     modes = {k: v for k, v in MODES.items() if not (quick and k == "async s=2")}
     runs = {}
     for name, extra in modes.items():
@@ -133,7 +134,8 @@ def parity(args, out: str) -> list[dict]:
     rows, finals = [], {}
     for seed in range(args.parity):
         for name in ("sync", "async s=1", "async s=2"):
-            run = train_case([f"trainer.seed={seed}", *MODES[name]], out, f"parity_{seed}_{name[-3:]}")
+            run = train_case([f"trainer.seed={seed}", *MODES[name]], out,
+                             f"parity_{seed}_{name.replace(' ', '_').replace('=', '')}")
             finals.setdefault(name, []).append(run.final_accuracy)
             print(f"seed {seed} {name}: final accuracy {run.final_accuracy:.3f}")
     for name in ("async s=1", "async s=2"):
@@ -152,7 +154,7 @@ def parity(args, out: str) -> list[dict]:
 
 def main() -> None:
     def extra(ap):
-        ap.add_argument("--steps", type=int, default=0, help="RL steps per case (default 60; quick 10)")
+        ap.add_argument("--steps", type=int, default=0, help="RL steps per case (default 60; quick 8)")
         ap.add_argument("--eval-every", type=int, default=0)
         ap.add_argument("--latency-ms", type=float, default=15.0, help="cluster-like case: rollout.step_latency_ms")
         ap.add_argument("--seed", type=int, default=0)
