@@ -3,6 +3,7 @@ evaluation that both held-out eval and the ReMax baseline use."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from hybridrl.rewards import RewardBatch, RewardRunner
@@ -11,14 +12,18 @@ from hybridrl.trainer.rollout_worker import RolloutWorker
 
 
 class RewardScorer:
-    """``RewardRunner`` over decoded response tokens."""
+    """``RewardRunner`` over decoded response tokens. Thread-safe: one batch at a time (an
+    overlapped run scores finished groups on the pipeline's thread while the main thread
+    may score an eval; the runner's pool and failure breaker serve one caller at a time)."""
 
     def __init__(self, runner: RewardRunner, tokenizer: Any):
         self.runner, self.tokenizer = runner, tokenizer
+        self._lock = threading.Lock()
 
     def score(self, response_token_ids: list[list[int]], answers: list[Any], prompt_texts: list[str]) -> RewardBatch:
         texts = self.tokenizer.batch_decode(response_token_ids, skip_special_tokens=True)
-        return self.runner.score(texts, answers, prompt_texts)
+        with self._lock:
+            return self.runner.score(texts, answers, prompt_texts)
 
     def close(self) -> None:
         self.runner.close()
