@@ -185,8 +185,9 @@ def test_golden(case: str, tmp_path: Path) -> None:
     judge(case, rows, env, CASES[case], tmp_path)
 
 
-@pytest.mark.parametrize("case,placement", [("default", "colocated"), ("default", "disaggregated"),
-                                            ("ppo_gae_kl_penalty", "disaggregated")])
+# the thread on the default recipe, the worker process (shared-memory refits) on PPO with a
+# critic and an old-log-prob pass: each placement and each recipe once
+@pytest.mark.parametrize("case,placement", [("default", "colocated"), ("ppo_gae_kl_penalty", "disaggregated")])
 def test_staleness_0_is_synchronous_training(case: str, placement: str, tmp_path: Path) -> None:
     """``trainer.mode=async`` with ``pipeline.max_staleness=0``: the rollout worker (a thread,
     or a process refit through shared memory) generates each step only after the previous
