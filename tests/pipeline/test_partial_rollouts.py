@@ -6,6 +6,7 @@ transformers with each version's weights, teacher-forced on the sampled sequence
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 
 import torch
@@ -44,7 +45,7 @@ def test_requests_in_flight_continue_under_each_new_version() -> None:
         engine = RolloutEngine(models[3].config, EngineSpec(max_batch_size=16, max_seq_len=32), kv_on_refit="recompute")
         worker = RolloutWorker(engine, sampling, device=torch.device("cpu"), bucket_bytes=1 << 20,
                                verify_refit=True)
-        return LocalProducer(i, worker, sink, wake, step_latency_s=0.01)  # ~0.25 s per answer
+        return LocalProducer(i, worker, sink, wake, step_latency_s=0.02)  # >= 0.48 s per answer
 
     def draw(r):
         rows = r.sample(range(20), P)
@@ -59,7 +60,8 @@ def test_requests_in_flight_continue_under_each_new_version() -> None:
         pipe.take(models[3])  # step 1 (steps 1 and 2 were generated together, under version 3)
         pipe.publish(models[4])  # admits step 3: it starts under version 4
         pipe.take(models[4])  # step 2
-        pipe.publish(models[5])  # version 5 reaches step 3's answers mid-way
+        time.sleep(0.2)  # training step 2: step 3's answers are ~10 tokens in
+        pipe.publish(models[5])  # version 5 reaches them mid-way
         batch = pipe.take(models[5])
     finally:
         pipe.close()
