@@ -55,3 +55,26 @@ def test_a_killed_worker_without_restarts_ends_the_job_in_one_line(tmp_path, mon
         train(load_config(None, _job(tmp_path, restarts=0)))
     message = str(err.value)
     assert "\n" not in message and "died" in message and "pipeline.worker_restarts=0 used up" in message
+
+
+def test_two_worker_processes_serve_one_trainer(tmp_path, monkeypatch) -> None:
+    """pipeline.workers=2: whole groups go to the less loaded worker; both are refit every step
+    (each takes part in every step's bound: staleness <= 1 throughout)."""
+    submitted: dict[int, int] = {}
+    original = producers.RemoteProducer.submit
+
+    def submit(self, requests):
+        submitted[self.index] = submitted.get(self.index, 0) + len(requests)
+        original(self, requests)
+
+    monkeypatch.setattr(producers.RemoteProducer, "submit", submit)
+    job = ASYNC_JOB + ["trainer.total_steps=3", "checkpoint.save=false", "pipeline.workers=2",
+                       "pipeline.worker_threads=1", f"trainer.output_dir={tmp_path}"]
+    steps = [r for r in train(load_config(None, job)).history if "reward/mean" in r]
+    assert len(steps) == 3 and all(r["async/staleness_max"] <= 1 for r in steps)
+    assert all("async/worker0_idle_s" in r and "async/worker1_idle_s" in r for r in steps)
+    # 4 prompts x 4 samples per step; steps 1..5 admitted (the publish after step 3 admits
+    # step 3 + 1 + max_staleness): 80 samples, to both workers, in whole groups (by load:
+    # the split of later admissions depends on which worker is further behind)
+    assert sum(submitted.values()) == 80 and set(submitted) == {0, 1}, submitted
+    assert all(k % 4 == 0 for k in submitted.values()), submitted
