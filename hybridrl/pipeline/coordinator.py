@@ -93,6 +93,7 @@ class Pipeline:
         self._idle_seen: dict[int, float] = {}
         self._publish_pending = False
         self.plan: PromptPlan | None = None
+        self.version: int | None = None  # the trainer's weight version, from start() on
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, model: torch.nn.Module, *, draw: Draw, rng: random.Random, version: int, first_step: int) -> None:

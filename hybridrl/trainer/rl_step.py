@@ -69,7 +69,6 @@ class RLStep:
         # trainer.mode one_step_off / async: the batches come from a Pipeline of rollout
         # workers, and `rollout` (this process's engine) serves eval, refit on demand
         self.pipeline = None
-        self._rollout_behind = False
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -135,9 +134,9 @@ class RLStep:
     def fresh_rollout(self) -> RolloutWorker:
         """This process's rollout worker holding the current policy (eval, ReMax baselines):
         with a pipeline, refit on demand (it is not the engine that generates the batches)."""
-        if self._rollout_behind:
+        p = self.pipeline
+        if p is not None and p.version is not None and self.rollout.version != p.version:
             self.rollout.catch_up(self.actor.model, self.pipeline.version)
-            self._rollout_behind = False
         return self.rollout
 
     def close(self) -> None:
@@ -181,7 +180,6 @@ class RLStep:
         with timer.phase("refit"):
             if self.pipeline is not None:
                 self.pipeline.publish(self.actor.model)
-                self._rollout_behind = True
             else:
                 self.rollout.refit(self.actor.model)
         metrics.update(step_metrics(sb, timer))
@@ -205,9 +203,7 @@ class RLStep:
         """The next step's batch from the pipeline (generated and scored by the workers),
         its staleness metrics into ``metrics``; also whether any token is stale."""
         batch = self.pipeline.take(self.actor.model)
-        n = self.shape.samples_per_prompt
-        sb = StepBatch.from_rollouts(batch.batch_idx, [i for i in range(len(batch.batch_idx)) for _ in range(n)],
-                                     batch.rollouts)
+        sb = StepBatch.from_groups(batch.batch_idx, self.shape.samples_per_prompt, batch.rollouts)
         self.apply_rewards(sb, batch.rewards)
         metrics.update(batch.metrics)
         return sb, batch.stale
@@ -220,8 +216,7 @@ class RLStep:
         """
         batch_idx, seeds = self._draw(rng)
         ro = self.rollout.sample([self.train_set.prompts[i] for i in batch_idx], seeds)
-        n = self.shape.samples_per_prompt
-        return StepBatch.from_rollouts(batch_idx, [i for i in range(len(batch_idx)) for _ in range(n)], ro)
+        return StepBatch.from_groups(batch_idx, self.shape.samples_per_prompt, ro)
 
     def sample_and_score(self, rng: random.Random, timer: PhaseTimer) -> StepBatch:
         """:meth:`sample` then :meth:`score`, overlapped when the engine serves requests: each
@@ -255,8 +250,7 @@ class RLStep:
                 ro = self.rollout.sample_groups(prompts, seeds, score_group)
             with timer.phase("reward"):
                 rb = RewardBatch.concat([futures[g].result() for g in range(len(prompts))])
-        n = self.shape.samples_per_prompt
-        sb = StepBatch.from_rollouts(batch_idx, [i for i in range(len(batch_idx)) for _ in range(n)], ro)
+        sb = StepBatch.from_groups(batch_idx, self.shape.samples_per_prompt, ro)
         self.apply_rewards(sb, rb)
         return sb
 

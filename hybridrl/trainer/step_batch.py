@@ -40,6 +40,11 @@ class StepBatch:
     def from_rollouts(cls, batch_idx: list[int], index: list[int], ro: Rollouts) -> "StepBatch":
         return cls(batch_idx=batch_idx, index=index, rollouts=ro, tensors=row_tensors(ro, index))
 
+    @classmethod
+    def from_groups(cls, batch_idx: list[int], n: int, ro: Rollouts) -> "StepBatch":
+        """Rows prompt-major: ``n`` samples of each of ``batch_idx``'s prompts in turn."""
+        return cls.from_rollouts(batch_idx, [i for i in range(len(batch_idx)) for _ in range(n)], ro)
+
     def update_batch(self, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """What Actor/Critic.update read: the per-row tensors and ``response_mask`` = the
         loss mask (the sampled mask before any correction ran), rows ``keep`` (default all)."""
