@@ -45,7 +45,8 @@ def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path, monkeypatch
     result = train(load_config(None, _job(tmp_path, restarts=1)))
     assert killed and not killed[0].process.is_alive()
     out = capsys.readouterr()
-    assert "died mid-step" in out.out + out.err and "replacing it (1 of 1 restarts)" in out.out + out.err
+    text = out.out + out.err  # seen dead by its results reader ("died mid-step") or by a refit ("probably died")
+    assert "died" in text and "replacing it (1 of 1 restarts)" in text
     assert [row["step"] for row in result.history if "reward/mean" in row] == [1, 2, 3, 4]
 
 
