@@ -15,11 +15,25 @@ from hybridrl.refit.bucket import DEFAULT_BUCKET_BYTES, group_by_bytes
 from hybridrl.refit.session import Refit, RefitStats
 
 
+def named_persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (``state_dict`` minus parameters): weights that are not
+    trained but define the model, e.g. DeepSeek-V3's ``mlp.gate.e_score_correction_bias``
+    (rotary tables and other non-persistent buffers are not among them)."""
+    out = []
+    for module_name, module in model.named_modules():
+        skip = module._non_persistent_buffers_set
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in skip:
+                out.append((f"{module_name}.{name}" if module_name else name, b.detach()))
+    return out
+
+
 def named_trainer_tensors(model_or_named) -> list[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` pairs from an HF model (its ``named_parameters``, tied ones
-    once) or from an iterable of pairs (returned as a list)."""
+    once, then its persistent buffers) or from an iterable of pairs (returned as a list)."""
     if isinstance(model_or_named, torch.nn.Module):
-        return [(n, p.detach()) for n, p in model_or_named.named_parameters()]
+        return ([(n, p.detach()) for n, p in model_or_named.named_parameters()]
+                + named_persistent_buffers(model_or_named))
     return [(n, t) for n, t in model_or_named]
 
 

@@ -1,6 +1,7 @@
 """Static slot KV cache: allocated once for (max_batch_size, max_seq_len), reused by every call.
 
-Layout `[num_layers, max_batch_size, num_kv_heads, max_seq_len, head_dim]` for k and v:
+Layout `[num_layers, max_batch_size, num_kv_heads, max_seq_len, head_dim]` for k and v
+(multi-head latent attention: one ``latent`` tensor with one "head", see ``KVCache``):
 a running request owns one cache *row* (its slot) for its whole life, token t of it in
 slot t. The scheduler keeps the running rows packed at [0, n) (a finished row's hole is
 filled by moving the last row into it, ``copy_rows``), so attention reads
@@ -19,19 +20,24 @@ from hybridrl.rollout.model_config import ModelConfig
 
 
 class KVCache:
+    """One tensor per entry of ``cfg.kv_layout``, each ``[num_layers, rows, heads, slots, width]``:
+    ``k`` and ``v`` for GQA attention; ``latent`` for multi-head latent attention (one "head"
+    of ``kv_lora_rank + qk_rope_head_dim``: the compressed KV every query head reads)."""
+
     def __init__(self, cfg: ModelConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device):
-        shape = (cfg.num_layers, max_batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        self.names = tuple(name for name, _, _ in cfg.kv_layout)
         # zeros, not empty: a padded CUDA-graph row may read slots nobody wrote; keep them finite.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensors = tuple(torch.zeros((cfg.num_layers, max_batch_size, heads, max_seq_len, width),
+                                         dtype=dtype, device=device) for _, heads, width in cfg.kv_layout)
+        for name, t in zip(self.names, self.tensors):
+            setattr(self, name, t)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     @property
     def bytes_per_token(self) -> int:
-        """k + v bytes of one token of one row (all layers)."""
-        L, _, KVH, _, D = self.k.shape
-        return 2 * L * KVH * D * self.k.element_size()
+        """Bytes one token of one row takes in the cache (all layers, every tensor)."""
+        return sum(t.shape[0] * t.shape[2] * t.shape[4] * t.element_size() for t in self.tensors)
 
     def copy_rows(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, length: int) -> None:
         """Row dst_rows[i] <- row src_rows[i] (slots [0, length)), in place.
@@ -39,18 +45,18 @@ class KVCache:
         The gather makes a transient copy of the source rows first, so sources and
         destinations may overlap; the cache tensors themselves never move.
         """
-        self.k[:, dst_rows, :, :length] = self.k[:, src_rows, :, :length]
-        self.v[:, dst_rows, :, :length] = self.v[:, src_rows, :, :length]
+        for t in self.tensors:
+            t[:, dst_rows, :, :length] = t[:, src_rows, :, :length]
 
-    def read_row(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of row ``row``'s slots [0, length): k, v ``[num_layers, KVH, length, D]``."""
-        return self.k[:, row, :, :length].clone(), self.v[:, row, :, :length].clone()
+    def read_row(self, row: int, length: int) -> tuple[torch.Tensor, ...]:
+        """Copies of row ``row``'s slots [0, length), one per cache tensor: ``[num_layers, heads, length, width]``."""
+        return tuple(t[:, row, :, :length].clone() for t in self.tensors)
 
-    def write_row(self, row: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+    def write_row(self, row: int, saved: tuple[torch.Tensor, ...], length: int) -> None:
         """Slots [0, length) of row ``row`` <- the first ``length`` slots of ``read_row`` copies."""
-        self.k[:, row, :, :length].copy_(k[:, :, :length])
-        self.v[:, row, :, :length].copy_(v[:, :, :length])
+        for t, s in zip(self.tensors, saved):
+            t[:, row, :, :length].copy_(s[:, :, :length])
 
     def named_tensors(self):
-        yield "kv_cache.k", self.k
-        yield "kv_cache.v", self.v
+        for name, t in zip(self.names, self.tensors):
+            yield f"kv_cache.{name}", t

@@ -1,17 +1,21 @@
 """What the rollout model needs from a Hugging Face config, parsed and validated once.
 
-Supports the Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) families and their
-mixture-of-experts variants Qwen3-MoE and Qwen2-MoE (with its shared expert). RoPE
-parameters are read from `config.rope_parameters` (transformers 5) or
+Supports the Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) families, their
+mixture-of-experts variants Qwen3-MoE and Qwen2-MoE (with its shared expert), and
+DeepSeek-V3 (multi-head latent attention + DeepSeekMoE; its fields: ``deepseek_config.py``).
+RoPE parameters are read from `config.rope_parameters` (transformers 5) or
 `config.rope_scaling` + `config.rope_theta` (transformers 4).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+if TYPE_CHECKING:
+    from hybridrl.rollout.deepseek_config import GroupedRouter, MlaDims
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -46,10 +50,25 @@ class ModelConfig:
     """indices of the sparse (MoE) layers; the others have a dense MLP of intermediate_size.
     HF rule: i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
     shared_expert_intermediate_size: int = 0
-    """Qwen2-MoE: width of the always-on shared expert (gated by sigmoid(shared_expert_gate)); 0 = none."""
+    """width of the always-on shared expert(s); 0 = none. Qwen2-MoE gates it by
+    sigmoid(shared_expert_gate); DeepSeek's ``shared_experts`` are ungated."""
+    # -- DeepSeek-V3 (None: the Llama/Qwen attention and softmax router) --
+    mla: "MlaDims | None" = None
+    """multi-head latent attention dimensions (``deepseek_config.py``)."""
+    router: "GroupedRouter | None" = None
+    """DeepSeekMoE's sigmoid, group-limited router (``deepseek_config.py``)."""
 
     def is_moe_layer(self, idx: int) -> bool:
         return idx in self.moe_layers
+
+    @property
+    def kv_layout(self) -> tuple[tuple[str, int, int], ...]:
+        """What the KV cache holds per token and layer: ``(name, heads, width)`` per tensor.
+        GQA: k and v, ``num_kv_heads`` heads of ``head_dim``; MLA: one latent of
+        ``kv_lora_rank + qk_rope_head_dim`` values shared by every head."""
+        if self.mla is not None:
+            return (("latent", 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim),)
+        return (("k", self.num_kv_heads, self.head_dim), ("v", self.num_kv_heads, self.head_dim))
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -83,6 +102,10 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
             f"model_type {model_type!r} is not supported by the rollout engine; "
             f"use a config of one of {SUPPORTED_MODEL_TYPES}"
         )
+    if model_type == "deepseek_v3":
+        from hybridrl.rollout.deepseek_config import parse_deepseek_v3
+
+        return parse_deepseek_v3(cfg, ModelConfig)
     if _get(cfg, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by the rollout engine; set it to False")
     hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")

@@ -27,7 +27,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # Decode attention through flash-attn's per-row cache lengths (CUDA, fp16/bf16, the
         # package installed): cost ~ live length, also inside a graph. Else the masked path.
-        self.flash_decode = flash_decode.usable(device, dtype, model.config.head_dim)
+        self.flash_decode = (model.config.mla is None  # MLA decodes over its latent cache (layers/mla.py)
+                             and flash_decode.usable(device, dtype, model.config.head_dim))
         self._decode_step = self.decode_eager
         self.compiled = compile_decode
         if compile_decode:

@@ -28,16 +28,15 @@ FORGET_AFTER = 65536
 class PrefixEntry:
     tokens: list[int]
     """the tokens whose k/v are held (slot t <-> tokens[t])."""
-    k: torch.Tensor
-    """[num_layers, KVH, len(tokens), D]"""
-    v: torch.Tensor
+    kv: tuple[torch.Tensor, ...]
+    """``KVCache.read_row`` copies: (k, v) each [num_layers, KVH, len(tokens), D], or (latent,)."""
     routing: torch.Tensor | None
     """MoE routing of those tokens [len(tokens), n_moe_layers, k] or None."""
     weight_version: int
 
     @property
     def nbytes(self) -> int:
-        n = self.k.numel() * self.k.element_size() * 2
+        n = sum(t.numel() * t.element_size() for t in self.kv)
         return n + (self.routing.numel() * self.routing.element_size() if self.routing is not None else 0)
 
 

@@ -145,9 +145,9 @@ class Scheduler:
         self.batch.remove(rows, self.kv_cache, self.recorder)
 
     def _retain(self, row: int, s: Sequence, fed: int, routing: torch.Tensor | None) -> None:
-        k, v = self.kv_cache.read_row(row, fed)
-        self.prefixes.put(s.request_id, PrefixEntry(s.fed_tokens[:fed], k, v,
-                                                    routing[:fed].to(k.device) if routing is not None else None,
+        kv = self.kv_cache.read_row(row, fed)
+        self.prefixes.put(s.request_id, PrefixEntry(s.fed_tokens[:fed], kv,
+                                                    routing[:fed].to(kv[0].device) if routing is not None else None,
                                                     self.weight_version))
 
     def _admit(self, out: StepOutput) -> None:
@@ -223,7 +223,7 @@ class Scheduler:
         dev = self.runner.device
         news, starts = [], []
         for i, (s, entry, cached) in enumerate(items):
-            self.kv_cache.write_row(r0 + i, entry.k, entry.v, cached)
+            self.kv_cache.write_row(r0 + i, entry.kv, cached)
             if self.recorder is not None and entry.routing is not None:
                 self.recorder.write_row(r0 + i, entry.routing[:cached])
             s.cached_tokens = cached

@@ -302,7 +302,7 @@ def test_a_weight_update_waits_for_the_step_in_flight(hf):
 def test_prefix_cache_evicts_least_recently_used_within_its_byte_budget():
     def entry(n, version=1):
         k = torch.randn(2, 1, n, 4)
-        return PrefixEntry(list(range(n)), k, k.clone(), None, version)
+        return PrefixEntry(list(range(n)), (k, k.clone()), None, version)
 
     one = entry(8).nbytes
     cache = PrefixCache(max_bytes=2 * one)

@@ -146,6 +146,9 @@ class Fp8LinearMethod(LinearMethodBase):
             layer.weight_scale.data.mul_(FNUZ_SCALE)
         layer.fp8_inference_layout = True
 
+    def in_inference_layout(self, layer) -> bool:
+        return layer.fp8_inference_layout
+
     # -- reading ---------------------------------------------------------------------
     def inference_weight(self, layer) -> torch.Tensor:
         """``weight`` as the kernels read it (an e4m3fnuz view of the same storage on fnuz)."""

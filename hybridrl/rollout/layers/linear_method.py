@@ -15,6 +15,8 @@ shards it packs). Its method owns the weight:
     restore_loading_layout(layer) / apply_inference_layout(layer)
         In-place layout switches run by the engine's weight-update bracket (begin / finish);
         no-ops for layouts that need none. Each must be a no-op when already in that layout.
+        ``in_inference_layout(layer)`` says which one the layer is in (derived caches of other
+        modules computed from it, e.g. MLA's absorbed matrices, refuse to refresh otherwise).
     expected_held(layer, loaded_weight, shard_id) -> Tensor [rows, K]
         The values the layer will hold for that shard once ``weight_loader`` wrote
         ``loaded_weight``, computed independently of the layer's storage, on
@@ -58,6 +60,11 @@ class LinearMethodBase(ABC):
 
     def apply_inference_layout(self, layer: nn.Module) -> None:
         """Loading -> inference layout, in place (default: the two layouts are one)."""
+
+    def in_inference_layout(self, layer: nn.Module) -> bool:
+        """Whether ``layer`` is in inference layout now (a derived cache computed from it is
+        only valid then; default: the two layouts are one, so always)."""
+        return True
 
     @abstractmethod
     def expected_held(self, layer: nn.Module, loaded_weight: torch.Tensor,

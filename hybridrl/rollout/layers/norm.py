@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
-        self.weight.weight_loader = _copy_loader
+        self.weight.weight_loader = copy_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -29,9 +29,10 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
-def _copy_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+def copy_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """The loader of an unfused, unquantized parameter (norms, routers): a checked in-place copy."""
     assert shard_id is None
     if tuple(loaded.shape) != tuple(param.shape):
-        raise ValueError(f"norm weight has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}; "
+        raise ValueError(f"weight has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}; "
                          f"check that the checkpoint matches the engine config")
     param.data.copy_(loaded)

@@ -1,5 +1,7 @@
-"""Llama / Qwen2 / Qwen3 (and Qwen3-MoE / Qwen2-MoE) decoder in the inference layout
-(fused qkv_proj, gate_up_proj; MoE layers: ``models/moe.py``).
+"""Llama / Qwen2 / Qwen3 (and Qwen3-MoE / Qwen2-MoE) and DeepSeek-V3 decoder in the
+inference layout (fused qkv_proj, gate_up_proj; MoE layers: ``models/moe.py``; DeepSeek's
+multi-head latent attention: ``layers/mla.py``, its first ``first_k_dense_replace``
+layers dense, the rest DeepSeekMoE).
 
 Composition only: the layers own their weights and loaders. Module names mirror the
 Hugging Face ones so that an HF name maps to ours by `packed_modules_mapping` alone.
@@ -16,6 +18,7 @@ from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
 from hybridrl.rollout.layers.fused_moe import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear import MergedColumnLinear, ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
+from hybridrl.rollout.layers.mla import MlaAttention, MlaRotary
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.rotary import RotaryEmbedding
 from hybridrl.rollout.model_config import ModelConfig
@@ -40,12 +43,16 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethodBase, dtype, device, prefix: str,
-                 moe_method: FusedMoEMethodBase | None = None):
+                 moe_method: FusedMoEMethodBase | None = None, rotary: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, idx, method, dtype, device, f"{prefix}.self_attn")
+        if cfg.mla is not None:
+            self.self_attn = MlaAttention(cfg, idx, method, dtype, device, f"{prefix}.self_attn", rotary)
+        else:
+            self.self_attn = Attention(cfg, idx, method, dtype, device, f"{prefix}.self_attn")
         self.is_moe = cfg.is_moe_layer(idx)
         if self.is_moe:
-            shared = (MLP(cfg, method, dtype, device, f"{prefix}.mlp.shared_expert", cfg.shared_expert_intermediate_size)
+            shared_name = "shared_experts" if cfg.router is not None else "shared_expert"
+            shared = (MLP(cfg, method, dtype, device, f"{prefix}.mlp.{shared_name}", cfg.shared_expert_intermediate_size)
                       if cfg.shared_expert_intermediate_size else None)
             self.mlp = SparseMoeBlock(cfg, cfg.moe_layers.index(idx), moe_method or UnquantizedFusedMoEMethod(),
                                       dtype, device, f"{prefix}.mlp", shared_expert=shared)
@@ -70,10 +77,13 @@ class DecoderModel(nn.Module):
                  moe_method: FusedMoEMethodBase | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        rotary = (MlaRotary(cfg, max_seq_len, dtype, device) if cfg.mla is not None
+                  else RotaryEmbedding(cfg.rope, cfg.head_dim, max_seq_len, dtype, device))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, method, dtype, device, f"model.layers.{i}", moe_method) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, method, dtype, device, f"model.layers.{i}", moe_method, rotary)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, max_seq_len, dtype, device)
+        self.rotary_emb = rotary
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [B, S] -> final hidden states [B, S, hidden]."""

@@ -11,7 +11,12 @@ Module names mirror transformers' ``Qwen3MoeSparseMoeBlock`` (``mlp.gate`` route
 - Qwen2-MoE: ``mlp.shared_expert.{gate,up,down}_proj`` (a dense gated MLP, fused gate_up like
   every dense MLP) and ``mlp.shared_expert_gate.weight [1, H]``.
 
-Routing is transformers' exactly: ``softmax(router_logits, float32)``, ``topk`` (sorted),
+DeepSeek-V3 (``cfg.router`` set): ``mlp.gate`` is a :class:`GroupedTopkRouter` (``weight
+[E, H]`` and the float32 ``e_score_correction_bias [E]``, both unquantized), the shared
+experts ``mlp.shared_experts.{gate,up,down}_proj`` are ungated, and the selection is
+:func:`select_experts_grouped` (transformers' ``DeepseekV3TopkRouter``).
+
+Qwen routing is transformers' exactly: ``softmax(router_logits, float32)``, ``topk`` (sorted),
 renormalized when ``norm_topk_prob``, weights cast to the hidden dtype; an expert's output
 is ``down(silu(gate(x)) * up(x))`` times its weight, summed over the k experts.
 
@@ -23,12 +28,14 @@ prefill's ids (``last_routing``; prefill is never graphed).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.layers.attention import ForwardContext
 from hybridrl.rollout.layers.fused_moe import FusedExperts, FusedMoEMethodBase
 from hybridrl.rollout.layers.linear import ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import UnquantizedLinearMethod
+from hybridrl.rollout.layers.norm import copy_loader
 from hybridrl.rollout.model_config import ModelConfig
 
 ROUTING_DTYPE = torch.int16  # expert ids as recorded (E <= 32767)
@@ -43,6 +50,49 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return ids, weights.to(router_logits.dtype)
 
 
+def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                           topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router on float32 ``router_logits [T, E]`` -> (ids ``[T, k]`` int64,
+    weights ``[T, k]`` float32).
+
+    ``scores = sigmoid(logits)``; the *selection* adds ``bias`` (the load-balancing correction):
+    a group's score is the sum of its best two biased scores, the ``topk_group`` best groups
+    stay, and the top-k biased scores among their experts are chosen. The *weights* are the
+    unbiased scores of the chosen experts, renormalized (``+ 1e-20``) when ``renormalize``,
+    times ``scaling`` (``routed_scaling_factor``). Ids in descending biased score.
+    """
+    T, E = router_logits.shape
+    scores = router_logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # (T, G)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+    ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+class GroupedTopkRouter(nn.Module):
+    """DeepSeek-V3's ``mlp.gate``: ``weight [E, H]`` (engine dtype) and
+    ``e_score_correction_bias [E]`` (float32, as transformers keeps it), plain parameters
+    loaded by copy. The logits are computed in float32 like transformers'."""
+
+    def __init__(self, num_experts: int, hidden_size: int, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
+                                                    requires_grad=False)
+        self.weight.weight_loader = self.e_score_correction_bias.weight_loader = copy_loader
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] -> router logits [T, E] float32."""
+        return F.linear(h.float(), self.weight.float())
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_index: int, moe_method: FusedMoEMethodBase, dtype, device, prefix: str,
                  shared_expert: nn.Module | None = None):
@@ -51,12 +101,19 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.moe_index = moe_index
         """position of this block among the model's MoE layers (the routing record's layer axis)."""
-        self.gate = ReplicatedLinear(H, E, bias=False, method=UnquantizedLinearMethod(), dtype=dtype,
-                                     device=device, prefix=f"{prefix}.gate")
+        self.grouped = cfg.router
+        if self.grouped is not None:
+            self.gate = GroupedTopkRouter(E, H, dtype, device)
+        else:
+            self.gate = ReplicatedLinear(H, E, bias=False, method=UnquantizedLinearMethod(), dtype=dtype,
+                                         device=device, prefix=f"{prefix}.gate")
         self.experts = FusedExperts(E, H, cfg.moe_intermediate_size, method=moe_method, dtype=dtype,
                                     device=device, prefix=f"{prefix}.experts")
-        self.shared_expert = shared_expert
-        if shared_expert is not None:
+        self.shared_expert = self.shared_experts = None
+        if self.grouped is not None:  # DeepSeek: ``mlp.shared_experts``, ungated
+            self.shared_experts = shared_expert
+        elif shared_expert is not None:  # Qwen2-MoE: ``mlp.shared_expert``, gated
+            self.shared_expert = shared_expert
             self.shared_expert_gate = ReplicatedLinear(H, 1, bias=False, method=UnquantizedLinearMethod(),
                                                        dtype=dtype, device=device, prefix=f"{prefix}.shared_expert_gate")
         self.register_buffer("routing_buffer", None, persistent=False)  # set by enable_routing_buffer
@@ -73,7 +130,7 @@ class SparseMoeBlock(nn.Module):
         """x ``[B, S, H]`` -> ``[B, S, H]``."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        topk_ids, topk_weights = select_experts(self.gate(h), self.top_k, self.renormalize)
+        topk_ids, topk_weights = self.select(h)
         if ctx is not None:
             if not ctx.is_prefill:
                 if self.routing_buffer is not None and h.shape[0] <= self.routing_buffer.shape[0]:
@@ -83,4 +140,15 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(h, topk_ids, topk_weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        elif self.shared_experts is not None:
+            out = out + self.shared_experts(h)
         return out.view(shape)
+
+    def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in h's dtype)."""
+        if self.grouped is None:
+            return select_experts(self.gate(h), self.top_k, self.renormalize)
+        g = self.grouped
+        ids, weights = select_experts_grouped(self.gate(h), self.gate.e_score_correction_bias, self.top_k,
+                                              g.n_group, g.topk_group, self.renormalize, g.routed_scaling_factor)
+        return ids, weights.to(h.dtype)
