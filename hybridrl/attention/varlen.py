@@ -56,17 +56,24 @@ def varlen_attention(
 
     Args:
         q: ``[T, H, D]`` packed queries.
-        k, v: ``[T, H_kv, D]`` (grouped-query: ``H % H_kv == 0``).
+        k: ``[T, H_kv, D]`` (grouped-query: ``H % H_kv == 0``).
+        v: ``[T, H_kv, Dv]``; ``Dv`` may differ from ``D`` (DeepSeek's MLA: 128 vs 192).
         cu_seqlens: ``[N + 1]`` int32 cumulative sequence lengths.
         max_seqlen: longest sequence.
     Returns:
-        ``[T, H, D]`` in ``q.dtype``.
+        ``[T, H, Dv]`` in ``q.dtype``.
     """
     if flash_attn_usable(q):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return _flash_varlen_func()(
+        d, dv = q.shape[-1], v.shape[-1]
+        if dv != d:  # flash-attn 2 wants one head dim: zero-pad the narrower side, slice the output
+            scale = d ** -0.5 if scale is None else scale  # the unpadded width's
+            width = max(d, dv)
+            q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        out = _flash_varlen_func()(
             q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, softmax_scale=scale, causal=True
         )
+        return out[..., :dv]
     # CPU / no flash-attn: one SDPA call per sequence. Inputs stay 4-D ([1, H, L, D]):
     # torch's CPU flash kernel (causal blocks skipped, GQA native) only serves 4-D
     # inputs; 3-D ones fall to the math path, which materialises L×L scores and runs
@@ -84,4 +91,4 @@ def varlen_attention(
             q_i, k_i, v_i, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
         )
         pieces.append(o_i[0].transpose(0, 1))  # (L, H, D)
-    return torch.cat(pieces) if pieces else torch.empty_like(q)
+    return torch.cat(pieces) if pieces else q.new_empty(*q.shape[:2], v.shape[-1])

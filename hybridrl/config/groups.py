@@ -17,9 +17,14 @@ from hybridrl.config.base import ConfigError, _f, check_number
 MAX_RESPONSE_TOKENS = 1 << 17  # beyond any model's context today; a typo guard, not a model limit
 
 
+BUILTIN_ARCHS = ("qwen2", "deepseek_v3")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
-    path: str | None = _f(None, "local Hugging Face checkpoint dir (model + tokenizer); None = built-in tiny Qwen2")
+    path: str | None = _f(None, "local Hugging Face checkpoint dir (model + tokenizer); None = built-in tiny model")
+    arch: str = _f("qwen2", "built-in model's family: qwen2 (GQA, dense) | deepseek_v3 (multi-head latent "
+                            "attention + DeepSeekMoE, the DeepSeek-V3/R1, Kimi-K2 architecture)")
     hidden_size: int = _f(128, "built-in model: hidden size")
     num_hidden_layers: int = _f(2, "built-in model: decoder layers")
     num_attention_heads: int = _f(4, "built-in model: attention heads")
@@ -41,6 +46,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use float32 or bfloat16")
+        if self.arch not in BUILTIN_ARCHS:
+            raise ConfigError(f"model.arch={self.arch!r} is not a built-in model; use one of {BUILTIN_ARCHS} "
+                              "(or model.path for a checkpoint)")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "intermediate_size"):
             check_number(getattr(self, key), f"model.{key}", low=1)

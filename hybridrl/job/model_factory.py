@@ -1,4 +1,5 @@
-"""Build the trainer's model and tokenizer: the built-in tiny Qwen2, or a local checkpoint."""
+"""Build the trainer's model and tokenizer: a built-in tiny model (``model.arch``: Qwen2 or
+DeepSeek-V3), or a local checkpoint."""
 
 from __future__ import annotations
 
@@ -21,21 +22,56 @@ def builtin_tokenizer():
 
 
 def builtin_model(tokenizer, spec: ModelConfig, *, seed: int = 0, max_position_embeddings: int = 128):
-    """A random-init Qwen2 causal LM sized by ``spec`` (``model.*``: sizes, tying, dtype)
-    for the arithmetic task; initialized in float32 from ``seed``, then cast to ``spec.dtype``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random-init causal LM of family ``spec.arch`` sized by ``spec`` (``model.*``: sizes,
+    tying, dtype) for the arithmetic task; initialized in float32 from ``seed``, then cast to
+    ``spec.dtype``."""
+    from transformers import DeepseekV3ForCausalLM, Qwen2ForCausalLM
 
-    config = Qwen2Config(
+    deepseek = spec.arch == "deepseek_v3"
+    config = (deepseek_v3_config if deepseek else qwen2_config)(tokenizer, spec, max_position_embeddings)
+    torch.manual_seed(seed)
+    model = (DeepseekV3ForCausalLM if deepseek else Qwen2ForCausalLM)(config).to(DTYPES[spec.dtype])
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def qwen2_config(tokenizer, spec: ModelConfig, max_position_embeddings: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
         intermediate_size=spec.intermediate_size, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(DTYPES[spec.dtype])
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+
+
+def deepseek_v3_config(tokenizer, spec: ModelConfig, max_position_embeddings: int):
+    """The built-in DeepSeek-V3-family model: DeepSeek-V3's shape at toy width.
+
+    MLA with per-head ``qk_nope = v = hidden / heads``, a ``qk_rope`` of half that and a
+    latent of ``hidden / 2`` (no q-LoRA at this width); layer 0 dense (``first_k_dense_replace``),
+    the others DeepSeekMoE: 8 routed experts of ``intermediate / 4`` in 4 groups, the best 2
+    groups kept, top-2, one shared expert, renormalized and scaled by 2.5 as DeepSeek-V3.
+    ``model.num_key_value_heads`` does not apply (MLA: every head reads the latent).
+    """
+    from transformers import DeepseekV3Config
+
+    head = spec.hidden_size // spec.num_attention_heads
+    return DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_attention_heads,
+        intermediate_size=spec.intermediate_size, moe_intermediate_size=max(spec.intermediate_size // 4, 1),
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=min(1, spec.num_hidden_layers - 1), norm_topk_prob=True, routed_scaling_factor=2.5,
+        q_lora_rank=None, kv_lora_rank=max(spec.hidden_size // 2, 2), qk_nope_head_dim=head,
+        qk_rope_head_dim=max(2 * (head // 4), 2), v_head_dim=head, rope_interleave=True, num_mtp_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
 
 
 def load_pretrained(path: str, dtype: torch.dtype, *, where: str = "model.path"):

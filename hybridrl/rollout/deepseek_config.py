@@ -180,7 +180,10 @@ def _moe(hf: Any, num_layers: int) -> dict[str, Any]:
         raise _bad("num_experts_per_tok", top_k, f"must be in [1, topk_group * experts per group = "
                    f"{topk_group * (experts // n_group)}]")
     moe_width = _positive(hf, "moe_intermediate_size")
-    shared = int(_get(hf, "n_shared_experts", 0) or 0)
+    shared = _get(hf, "n_shared_experts")
+    if not isinstance(shared, int) or shared <= 0:
+        raise _bad("n_shared_experts", shared, "must be a positive integer (transformers' DeepseekV3MoE "
+                   "always has shared experts, of width moe_intermediate_size * n_shared_experts)")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_width,
                 norm_topk_prob=bool(_get(hf, "norm_topk_prob", True)), moe_layers=layers,
                 shared_expert_intermediate_size=moe_width * shared,

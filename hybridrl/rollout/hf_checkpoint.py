@@ -2,31 +2,117 @@
 
 The stream feeds ``RolloutEngine.load_weights`` like any trainer's ``named_parameters()``:
 a checkpoint is one more source for the same in-place weight update.
+
+:func:`iter_model_weights` is what an engine loads: the raw stream with two checkpoint
+layouts made plain —
+
+- **block-FP8 weights** (DeepSeek-V3/R1's released layout, ``quantization_config.fmt:
+  e4m3``, ``weight_block_size: [128, 128]``): ``X.weight`` is float8_e4m3fn ``[N, K]`` and
+  ``X.weight_scale_inv`` float32 ``[ceil(N/128), ceil(K/128)]``; each weight is yielded
+  dequantized (``w * scale_inv`` per 128x128 tile, float32) under its own name, and the
+  scale names are consumed. The engine then stores it in its own layout (``fp8_block``
+  re-quantizes it per tile again).
+- **multi-token-prediction layers** (``num_nextn_predict_layers`` / ``num_mtp_layers``: the
+  ``model.layers.{i}`` with ``i >= num_hidden_layers``) are skipped with one logged line:
+  the engine samples one token per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
-from typing import Iterator
+import re
+from typing import Any, Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
+
+SCALE_SUFFIX = "_scale_inv"
+FP8_BLOCK = 128
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return ["model.safetensors"]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!r}; "
+                     f"pass a local Hugging Face checkpoint directory saved with safetensors")
 
 
 def iter_safetensors_dir(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) from `model.safetensors` or the shards listed in `model.safetensors.index.json`."""
     from safetensors import safe_open
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!r}; "
-                         f"pass a local Hugging Face checkpoint directory saved with safetensors")
-    for file in files:
+    for file in _files(path):
         with safe_open(os.path.join(path, file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def checkpoint_names(path: str) -> dict[str, str]:
+    """Every tensor name in the checkpoint -> the file holding it (headers only, no data read)."""
+    from safetensors import safe_open
+
+    names = {}
+    for file in _files(path):
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def mtp_layer_names(names, hf_config: Any) -> list[str]:
+    """The names of multi-token-prediction layers (layer index >= ``num_hidden_layers``)."""
+    n = getattr(hf_config, "num_hidden_layers", None)
+    if n is None:
+        return []
+    return [name for name in names if (m := _LAYER.match(name)) and int(m.group(1)) >= n]
+
+
+def model_weight_names(path: str, hf_config: Any) -> set[str]:
+    """The names :func:`iter_model_weights` yields, from the headers alone."""
+    names = checkpoint_names(path)
+    skip = set(mtp_layer_names(names, hf_config))
+    return {n for n in names if n not in skip and not n.endswith(SCALE_SUFFIX)}
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """float8 ``[N, K]`` x float32 tile scales ``[ceil(N/b), ceil(K/b)]`` -> float32 ``[N, K]``."""
+    N, K = weight.shape
+    if tuple(scale_inv.shape) != (-(-N // block), -(-K // block)):
+        raise ValueError(f"FP8 scale of shape {tuple(scale_inv.shape)} does not tile a [{N}, {K}] weight in "
+                         f"{block}x{block} blocks; the checkpoint's weight_block_size must be [{block}, {block}]")
+    scale = scale_inv.float().repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
+    return weight.float() * scale
+
+
+def iter_model_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's model weights, FP8 tiles dequantized and MTP layers skipped (module docstring)."""
+    from safetensors import safe_open
+
+    names = checkpoint_names(path)
+    skip = set(mtp_layer_names(names, hf_config))
+    if skip:
+        layers = sorted({int(_LAYER.match(n).group(1)) for n in skip})
+        log.info("checkpoint %s: skipping %d tensors of multi-token-prediction layer(s) %s (the rollout "
+                 "engine predicts one token per step)", path, len(skip), layers)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(os.path.join(path, file), framework="pt"))
+                   for file in sorted(set(names.values()))}
+        for name, file in names.items():
+            if name in skip or name.endswith(SCALE_SUFFIX):
+                continue
+            tensor = handles[file].get_tensor(name)
+            scale_name = name + SCALE_SUFFIX
+            if scale_name in names:
+                tensor = dequantize_block_fp8(tensor, handles[names[scale_name]].get_tensor(scale_name))
+            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise ValueError(f"checkpoint {path}: {name} is stored in {tensor.dtype} without a "
+                                 f"{scale_name}; only block-FP8 checkpoints (weight + weight_scale_inv) load")
+            yield name, tensor

@@ -172,7 +172,7 @@ def routing_of_sequences(engine, input_ids: torch.Tensor, attention_mask: torch.
 
 # ---- trainer half --------------------------------------------------------------------------
 def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k routers of a transformers Qwen3-MoE / Qwen2-MoE model, in layer order
+    """The top-k routers of a transformers Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 model, in layer order
     (``model.layers.{i}.mlp.gate`` of the sparse layers: the engine's MoE layer axis)."""
     routers = []
     for name, m in model.named_modules():
@@ -187,7 +187,8 @@ def replay_routing(model: torch.nn.Module, routed: torch.Tensor) -> Iterator[Non
 
     ``routed``: ``[B, L, n_moe_layers, k]`` for a forward over ``input_ids [B, L]`` (or
     ``[N, n_moe_layers, k]`` for a packed forward over N tokens, e.g. ``routed[mask.bool()]``
-    for padding-free packing): the router input's rows in the same order.
+    for padding-free packing): the router input's rows in the same order. DeepSeek-V3's
+    sigmoid router: :func:`_replaying_grouped_forward`.
 
     Per token and layer, transformers' ``Qwen3MoeTopKRouter.forward`` becomes::
 
@@ -221,6 +222,9 @@ def replay_routing(model: torch.nn.Module, routed: torch.Tensor) -> Iterator[Non
 
 
 def _replaying_forward(router, layer_ids: torch.Tensor):
+    if hasattr(router, "e_score_correction_bias"):
+        return _replaying_grouped_forward(router, layer_ids)
+
     def forward(hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, router.weight.shape[1])
         logits = F.linear(hidden_states, router.weight)
@@ -235,4 +239,28 @@ def _replaying_forward(router, layer_ids: torch.Tensor):
         if router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return logits, w.to(logits.dtype), ids
+    return forward
+
+
+def _replaying_grouped_forward(router, layer_ids: torch.Tensor):
+    """DeepSeek-V3's ``DeepseekV3TopkRouter.forward`` with the recorded experts: the logits
+    (float32) and sigmoid scores as transformers computes them, the ids replayed (its own
+    grouped selection where any id is -1), the weights the trainer's unbiased scores of
+    those experts, renormalized (``+ 1e-20``) and scaled by ``routed_scaling_factor``."""
+    from hybridrl.rollout.models.moe import select_experts_grouped
+
+    def forward(hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, router.weight.shape[1])
+        logits = F.linear(hidden_states.float(), router.weight.float())
+        if layer_ids.shape[0] != logits.shape[0]:
+            raise ValueError(f"replay_routing: {layer_ids.shape[0]} recorded tokens, the forward routes "
+                             f"{logits.shape[0]}; pass the routing of exactly this forward's tokens")
+        own, _ = select_experts_grouped(logits, router.e_score_correction_bias, router.top_k, router.num_group,
+                                        router.topk_group, router.norm_topk_prob, router.routed_scaling_factor)
+        rec = layer_ids.to(device=logits.device, dtype=torch.long)
+        ids = torch.where((rec >= 0).all(dim=-1, keepdim=True), rec, own)
+        w = logits.sigmoid().gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, w * router.routed_scaling_factor, ids
     return forward
