@@ -43,7 +43,11 @@ Cases:
   stricter floor);
 - a small Qwen3-MoE (8 experts, top-2, hidden 256, 4 layers; issue #16) at batch 1 / 16 / 64
   vs HF ``generate`` (dynamic cache; its grouped-GEMM experts). ``moe.py`` reports the
-  same rows (this module's :func:`bench_case`).
+  same rows (this module's :func:`bench_case`);
+- DeepSeek-V3's MLA (issue #31, ``_mla.py``): KV bytes per token from the engines' own
+  allocations vs a Qwen2 engine of the same width (MHA and 4:1 GQA), latent-space decode vs
+  decompress-then-attend at 1k and 4k context, decompressed vs absorbed prefill, and vs HF
+  ``generate`` on the same tiny config.
 
 ``--quick`` runs fewer batches and tokens. vLLM is optional: without it (``import vllm``
 fails) its rows are skipped with one printed line.
@@ -62,6 +66,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _continuous  # noqa: E402
+import _mla  # noqa: E402
 from _common import (SMALL, VLLM, VLLM_PLAIN, PlainVllm, best_interleaved, format_table, goal_line,  # noqa: E402
                      interleaved_times, median, moe_model, parse_args, report, rl_job, row, speedup, start_vllm,
                      vllm_name, vllm_unavailable, warm)
@@ -307,6 +312,9 @@ def main() -> None:
         rows += bench_model(name, hf, batches, new_tokens, repeats, caches=caches,
                             vllms=small_vllms if name == "small" and not no_vllm else ())
     rows += bench_model("moe", moe_model(dtype=dtype), batches, new_tokens, repeats, caches=("dynamic",))
+    mla_rows = _mla.bench_mla(dtype, args.quick)
+    print(format_table(mla_rows), flush=True)
+    rows += mla_rows
     print(f"\nthreads={torch.get_num_threads()} dtype={args.dtype}, {time.perf_counter() - t0:.0f} s")
     report(rows, args.json)
     if not no_vllm:

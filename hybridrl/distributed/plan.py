@@ -82,10 +82,10 @@ def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None) -> 
 
 
 def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype) -> int:
-    layers = hf_config.num_hidden_layers
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return 2 * layers * kv_heads * head_dim * batch * seq_len * torch.empty((), dtype=dtype).element_size()
+    """The engine's static cache for ``batch`` rows of ``seq_len`` (MLA: its latent, not per head)."""
+    from hybridrl.rollout.model_config import kv_bytes_per_token
+
+    return kv_bytes_per_token(hf_config, torch.empty((), dtype=dtype).element_size()) * batch * seq_len
 
 
 def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, engine_dtype: torch.dtype,
@@ -126,11 +126,29 @@ QWEN25_SHAPES = {
 }
 
 
-def shape_config(name: str):
-    from transformers import Qwen2Config
+# Published DeepSeek-V3-family shapes (MLA + DeepSeekMoE; the MTP layer is not part of the plan).
+DEEPSEEK_SHAPES = {
+    "moonlight-16b-a3b": dict(hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                              num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                              n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1,
+                              topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+                              qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=163840,
+                              routed_scaling_factor=2.446),
+    "deepseek-v3": dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+                        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=3,
+                        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                        v_head_dim=128, vocab_size=129280, routed_scaling_factor=2.5),
+}
 
+
+def shape_config(name: str):
+    from transformers import DeepseekV3Config, Qwen2Config
+
+    if name in DEEPSEEK_SHAPES:
+        return DeepseekV3Config(max_position_embeddings=32768, num_mtp_layers=0, **DEEPSEEK_SHAPES[name])
     if name not in QWEN25_SHAPES:
         from hybridrl.did_you_mean import suggest
 
-        raise ValueError(f"--shape {name!r} is unknown; {suggest(name, QWEN25_SHAPES)}")
+        raise ValueError(f"--shape {name!r} is unknown; {suggest(name, {**QWEN25_SHAPES, **DEEPSEEK_SHAPES})}")
     return Qwen2Config(max_position_embeddings=32768, **QWEN25_SHAPES[name])

@@ -153,3 +153,10 @@ def _moe_fields(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:
                 moe_intermediate_size=int(_get(cfg, "moe_intermediate_size")),
                 norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)), moe_layers=layers,
                 shared_expert_intermediate_size=shared)
+
+
+def kv_bytes_per_token(hf_config: Any, element_size: int) -> int:
+    """KV-cache bytes one token takes in the built-in engine (every layer): ``kv_layout``'s
+    widths — 2 x KV heads x head_dim for GQA, ``kv_lora_rank + qk_rope_head_dim`` for MLA."""
+    cfg = parse_hf_config(hf_config)
+    return cfg.num_layers * sum(heads * width for _, heads, width in cfg.kv_layout) * element_size

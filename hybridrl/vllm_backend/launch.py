@@ -64,8 +64,7 @@ def write_config_dir(hf_config) -> str:
 def kv_cache_bytes(hf_config, spec: EngineSpec) -> int:
     """KV-cache bytes for ``max_batch_size`` rows of ``max_seq_len`` tokens (the built-in
     engine's static cache), x2 for vLLM's block rounding and layout padding, >= 16 MiB."""
-    layers = hf_config.num_hidden_layers
-    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    per_token = 2 * layers * heads * head_dim * torch.tensor([], dtype=spec.dtype).element_size()
+    from hybridrl.rollout.model_config import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(hf_config, torch.tensor([], dtype=spec.dtype).element_size())
     return max(16 << 20, 2 * per_token * spec.max_batch_size * (spec.max_seq_len + 16))

@@ -221,3 +221,50 @@ def test_routing_record_is_the_grouped_routers_choice_and_replays_in_transformer
         replayed = hf(input_ids=out.input_ids, attention_mask=out.attention_mask).logits
     m = out.attention_mask.bool()
     torch.testing.assert_close(replayed[m], base[m], rtol=0, atol=1e-5)
+
+
+def test_absorbed_prefill_equals_decompressed_prefill():
+    """The latent-space form also serves many queries (the benchmark's prefill comparison):
+    same logits and the same greedy continuation after a conversation turn (extend)."""
+    cfg = ds.config()
+    hf = ds.hf_model(cfg, seed=12)
+    eng = ds.engine(cfg, hf)
+    ids = torch.randint(0, cfg.vocab_size, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    expanded = eng.logits(ids, mask)
+    set_decode_mode(eng.model, "absorb", prefill=True)
+    absorbed = eng.logits(ids, mask)
+    m = mask.bool()
+    torch.testing.assert_close(absorbed[m], expanded[m], rtol=0, atol=2e-5)
+    prompt = torch.randint(0, cfg.vocab_size, (9,)).tolist()
+    eng.add_request("a", prompt, SamplingParams(max_tokens=4, temperature=0.0), retain=True)
+    first = eng.run_until_finished(["a"])["a"].token_ids
+    turn = prompt + first + [3, 5, 7]
+    eng.add_request("b", turn, SamplingParams(max_tokens=5, temperature=0.0), parent="a")
+    assert eng.run_until_finished(["b"])["b"].token_ids == greedy_reference(hf, turn, 5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantization", [None, "fp8", "fp8_block+mxfp4"])
+def test_graph_replay_follows_verified_refits_of_kv_b_proj(quantization):
+    """The captured decode graph reads w_uk / w_uv at fixed addresses: after each verified
+    refit (new kv_b_proj, FP8 re-quantized, absorbed caches refreshed in place) replay equals
+    an eager engine loaded with the same weights."""
+    from hybridrl.rollout import EngineSpec, RolloutEngine
+    from tests.rollout.test_cuda_graph import _decode_both
+
+    cfg = _fp8_config()
+    spec = EngineSpec(max_batch_size=4, max_seq_len=64, dtype=torch.float32, device="cuda", quantization=quantization)
+    graph, eager = RolloutEngine(cfg, spec), RolloutEngine(cfg, spec, enforce_eager=True)
+    for seed in range(3):
+        hf = ds.hf_model(cfg, seed=40 + seed).cuda()
+        refit_from_model(graph, hf, verify=True)
+        refit_from_model(eager, hf, verify=True)
+        if seed == 0:
+            assert graph.runner.graphs is not None
+            caches = {n: c.tensor.data_ptr() for n, c in graph.named_derived_caches()}
+        assert {n: c.tensor.data_ptr() for n, c in graph.named_derived_caches()} == caches
+        for ours, ref in _decode_both(graph, eager, 3, seed=seed):
+            torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)

@@ -31,7 +31,8 @@ otherwise), and checked by the refit verifier against a fresh recomputation. A c
 CUDA graph reads them at fixed addresses.
 
 ``decode_mode = "decompress"`` expands the attended cache rows through ``kv_b_proj`` every
-step instead (the benchmark's comparison; same math).
+step instead (the benchmark's comparison; same math). ``prefill_mode`` chooses the same for
+prefill / extend (default "decompress", below).
 
 **Prefill and extend decompress**: a prompt's tokens are many queries against the same
 keys, so expanding the keys once (``kv_b_proj`` over the T attended latents) and running
@@ -91,6 +92,7 @@ class MlaRotary(nn.Module):
 
 class MlaAttention(nn.Module):
     decode_mode = "absorb"  # or "decompress" (per instance: set_decode_mode)
+    prefill_mode = "decompress"  # or "absorb" (the benchmark's comparison)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, method: LinearMethodBase, dtype: torch.dtype,
                  device: torch.device, prefix: str, rotary: MlaRotary):
@@ -156,11 +158,13 @@ class MlaAttention(nn.Module):
             r0, T = ctx.row_start, ctx.kv_len
             rows = torch.arange(r0, r0 + B, device=x.device).view(B, 1)
             cache[rows, ctx.positions] = latent  # (B, C) index pairs
-            o = self._decompressed(q_nope, q_pe, cache[r0:r0 + B, :T], ctx.attn_mask)
+            attend = self._absorbed if self.prefill_mode == "absorb" else self._decompressed
+            o = attend(q_nope, q_pe, cache[r0:r0 + B, :T], ctx.attn_mask)
         else:
             if cache is not None:
                 cache[ctx.row_start:ctx.row_start + B, :S].copy_(latent)
-            o = self._decompressed(q_nope, q_pe, latent, ctx.attn_mask)
+            attend = self._absorbed if self.prefill_mode == "absorb" else self._decompressed
+            o = attend(q_nope, q_pe, latent, ctx.attn_mask)
         return self.o_proj(o.reshape(B, S, self.num_heads * self.v_dim))
 
     # ---- attention --------------------------------------------------------------------
@@ -187,25 +191,38 @@ class MlaAttention(nn.Module):
         rows = cache[:B, :ctx.kv_len]  # (B, T, r + rope)
         if self.decode_mode == "decompress":
             return self._decompressed(q_nope, q_pe, rows, ctx.attn_mask)
-        H = self.num_heads
-        q_lat = torch.bmm(q_nope[:, 0].transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, r)
-        q = torch.cat([q_lat, q_pe[:, 0]], dim=-1).unsqueeze(1)  # (B, 1, H, r + rope): one shared KV head
-        k, v = rows.unsqueeze(1), rows[..., :self.rank].unsqueeze(1)  # (B, 1, T, r + rope), (B, 1, T, r)
-        if q.device.type == "cpu" and B >= CPU_MATMUL_DECODE_MIN_BATCH:
+        return self._absorbed(q_nope, q_pe, rows, ctx.attn_mask)
+
+    def _absorbed(self, q_nope, q_pe, latent, mask) -> torch.Tensor:
+        """Queries [B, S, H, *] attend ``latent [B, T, r + rope]`` in latent space -> [B, S, H, v]
+        (causal when ``mask`` is None and S > 1). The cached rows are one KV head shared by
+        all H query heads: q_lat = W_UK^T q_nope, scores over [c | k_pe], o = W_UV o_lat."""
+        B, S, H, _ = q_nope.shape
+        q_lat = torch.matmul(q_nope.transpose(1, 2), self.w_uk.unsqueeze(0))  # (B, H, S, r)
+        q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1).reshape(B, 1, H * S, -1)  # heads x queries as rows
+        k, v = latent.unsqueeze(1), latent[..., :self.rank].unsqueeze(1)  # (B, 1, T, r + rope), (B, 1, T, r)
+        if mask is None and S > 1:  # causal: query s of every head sees keys [0, T - S + s]
+            T = latent.shape[1]
+            mask = (torch.arange(T, device=q.device).view(1, T) <= torch.arange(T - S, T, device=q.device).view(S, 1))
+            mask = mask.view(1, 1, 1, S, T).expand(1, 1, H, S, T).reshape(1, 1, H * S, T)
+        elif mask is not None and mask.shape[-2] > 1:  # [B, 1, S, T] -> every head's rows
+            mask = mask.unsqueeze(2).expand(B, 1, H, S, mask.shape[-1]).reshape(B, 1, H * S, -1)
+        if q.device.type == "cpu" and B >= CPU_MATMUL_DECODE_MIN_BATCH and S == 1:
             scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale)  # (B, 1, H, T)
-            if ctx.attn_mask is not None:
-                scores.masked_fill_(~ctx.attn_mask, float("-inf"))
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
             o_lat = torch.matmul(torch.softmax(scores, dim=-1), v)
         else:
-            o_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_mask, scale=self.scale)
-        o = torch.bmm(o_lat[:, 0].transpose(0, 1), self.w_uv)  # (H, B, v)
-        return o.transpose(0, 1).reshape(B, 1, H, self.v_dim)
+            o_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = torch.matmul(o_lat.view(B, H, S, self.rank), self.w_uv.unsqueeze(0))  # (B, H, S, v)
+        return o.transpose(1, 2)
 
 
-def set_decode_mode(model: nn.Module, mode: str) -> None:
-    """Every MLA layer of ``model`` decodes by ``mode`` ("absorb" or "decompress")."""
+def set_decode_mode(model: nn.Module, mode: str, *, prefill: bool = False) -> None:
+    """Every MLA layer of ``model`` decodes (``prefill=True``: prefills) by ``mode``
+    ("absorb" or "decompress")."""
     if mode not in DECODE_MODES:
         raise ValueError(f"MLA decode mode {mode!r}: use one of {DECODE_MODES}")
     for m in model.modules():
         if isinstance(m, MlaAttention):
-            m.decode_mode = mode
+            setattr(m, "prefill_mode" if prefill else "decode_mode", mode)
