@@ -11,6 +11,7 @@ The trainer puts both in one atomic step directory (``trainer/sharded_checkpoint
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -44,8 +45,14 @@ def load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def export_hf(model: torch.nn.Module, directory: Path | None, *, bucket_bytes: int = EXPORT_BUCKET_BYTES) -> None:
     """Gather ``model``'s parameters bucket by bucket; rank 0 (``directory`` not None) writes
-    them as safetensors shards + index, HF layout. Every rank must call this together."""
+    them as safetensors shards + index, HF layout: the names and layout ``save_pretrained``
+    writes (transformers' reverse weight conversion per bucket: fused MoE experts become
+    per-expert tensors) plus the persistent buffers (DeepSeek-V3's router correction bias).
+    Every rank must call this together."""
     from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from hybridrl.refit.transport import named_persistent_buffers
 
     files: dict[str, str] = {}
     bucket: dict[str, torch.Tensor] = {}
@@ -56,12 +63,13 @@ def export_hf(model: torch.nn.Module, directory: Path | None, *, bucket_bytes: i
         if bucket and directory is not None:
             n += 1
             name = f"model-{n:05d}.safetensors"
+            bucket = revert_weight_conversion(model, bucket)
             save_file({k: v.contiguous().cpu() for k, v in bucket.items()}, str(directory / name),
                       metadata={"format": "pt"})
             files.update({k: name for k in bucket})
         bucket, size = {}, 0
 
-    for name, tensor in iter_full_parameters(model):
+    for name, tensor in itertools.chain(iter_full_parameters(model), named_persistent_buffers(model)):
         bucket[name] = tensor
         size += tensor.numel() * tensor.element_size()
         total += tensor.numel() * tensor.element_size()
