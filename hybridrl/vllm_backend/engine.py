@@ -70,6 +70,7 @@ from hybridrl.vllm_backend._import import import_vllm
 from hybridrl.vllm_backend.fp8 import vllm_quantization
 from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state, shutdown_llm
 from hybridrl.vllm_backend.launch import VLLM_DTYPES, check_platform, kv_cache_bytes, write_config_dir
+from hybridrl.vllm_backend.mla import CPU_LLM_KWARGS, is_mla, mla_derived_caches
 from hybridrl.vllm_backend.reload_check import reload_mismatches
 from hybridrl.vllm_backend.request_api import VllmRequests, check_kv_on_refit
 from hybridrl.vllm_backend.requests import rollouts_from_outputs, vllm_request
@@ -126,6 +127,8 @@ class VllmEngine(WeightUpdateBracket):
                     enable_sleep_mode=free_cache_engine and not on_cpu)
         if vllm_quant is not None:
             args["quantization"] = vllm_quant
+        if on_cpu and is_mla(hf_config):
+            args.update(CPU_LLM_KWARGS)  # vLLM's CPU rotary kernel is wrong for MLA's 3-D q/k (mla.py)
         args.update(llm_kwargs)
         try:
             with preserve_torch_state(), preserve_environ():
@@ -276,9 +279,10 @@ class VllmEngine(WeightUpdateBracket):
 
     # ---- weights: what they are ------------------------------------------------------
     def named_derived_caches(self) -> Iterator[tuple[str, Any]]:
-        """None exposed: vLLM's packed GEMM buffers are checked through ``held()`` (read back
-        through the layers' own matmuls) and the post-reload check instead."""
-        return iter(())
+        """MLA's ``W_UK_T`` / ``W_UV`` (derived from ``kv_b_proj``, mla.py), checked by refit's
+        verifier against a fresh split. vLLM's packed GEMM buffers are checked through
+        ``held()`` (read back through the layers' own matmuls) and the post-reload check."""
+        return mla_derived_caches(self.model)
 
     def named_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """vLLM's parameters, buffers, tensors its layers and quantization methods hold as plain

@@ -1,7 +1,8 @@
 """Starting vLLM for an ``EngineSpec``: what it needs before ``vllm.LLM(...)`` is built.
 
 - ``check_platform``: the installed vLLM build must run on the spec's device, and (CPU)
-  support the model's head size, so a mismatch fails at construction, not mid-run.
+  support the model's head size (MLA: its latent width), so a mismatch fails at
+  construction, not mid-run; MoE layers are refused (``mla.py``).
 - ``write_config_dir``: a directory holding only ``config.json`` (placeholder weights; the
   real ones come through the weight-update bracket).
 - ``kv_cache_bytes``: the KV cache sized from ``max_batch_size x max_seq_len``, never from
@@ -15,6 +16,7 @@ import tempfile
 import torch
 
 from hybridrl.rollout.backend import EngineSpec
+from hybridrl.vllm_backend.mla import check_mla, has_moe_layers, is_mla, vllm_config_keys
 
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -29,6 +31,12 @@ def check_platform(hf_config, device: torch.device) -> None:
         raise ValueError(f"VllmEngine(device={str(device)!r}): the installed vLLM build runs on "
                          f"{'CPU' if on_cpu else current_platform.device_name}; install the matching build "
                          "(docs/vllm.md) or change the device")
+    if has_moe_layers(hf_config):
+        raise ValueError(f"VllmEngine: {hf_config.model_type} with MoE layers is not served by the vLLM backend "
+                         "(vllm_backend/mla.py says why); use rollout.backend=builtin")
+    if is_mla(hf_config):
+        check_mla(hf_config, _cpu_mla_latents() if on_cpu else None)
+        return
     if on_cpu:
         try:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -41,6 +49,14 @@ def check_platform(hf_config, device: torch.device) -> None:
             raise ValueError(f"VllmEngine: vLLM's CPU attention supports head_dim in {sizes}; this model has "
                              f"head_dim={head_dim} (hidden_size {c.hidden_size} / {c.num_attention_heads} heads); "
                              "choose sizes giving a supported head_dim or use rollout.backend=builtin")
+
+
+def _cpu_mla_latents() -> list[int] | None:
+    try:
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+        return list(CPUMLABackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
+        return None
 
 
 def write_config_dir(hf_config) -> str:
@@ -56,6 +72,9 @@ def write_config_dir(hf_config) -> str:
         if arch is None:
             raise ValueError(f"VllmEngine: no causal-LM architecture known for model_type={config.model_type!r}")
         config.architectures = [arch]
+    if is_mla(config):
+        for key, value in vllm_config_keys(config).items():
+            setattr(config, key, value)
     path = tempfile.mkdtemp(prefix="hybridrl-vllm-")
     config.to_json_file(f"{path}/config.json")
     return path

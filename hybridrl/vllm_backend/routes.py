@@ -186,4 +186,9 @@ def hf_parameter_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for module_name, module in model.named_modules():  # persistent buffers: refit sends them too
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in module._non_persistent_buffers_set:
+                shapes[f"{module_name}.{name}" if module_name else name] = tuple(b.shape)
+    return shapes
