@@ -31,3 +31,21 @@ def test_async_moe_with_mxfp4_experts_and_routing_replay(tmp_path):
         assert steps[0]["async/staleness_max"] == 0
         gaps[replay] = steps[0]["rollout/trainer_logprob_abs_diff"]
     assert gaps[True] < gaps[False], gaps  # the replayed choices came across from the worker
+
+
+def test_async_deepseek_v3_with_fp8_mla_and_routing_replay(tmp_path):
+    """The built-in DeepSeek-V3 model in a worker process: FP8 MLA projections (their absorbed
+    caches refreshed by every shared-memory refit, verified), MXFP4 experts, the grouped
+    router's record replayed by the trainer."""
+    from hybridrl.job.loop import train
+
+    cfg = load_config(None, [
+        "model.arch=deepseek_v3", "model.hidden_size=32", "model.num_attention_heads=2", "model.intermediate_size=128",
+        "data.train_size=64", "data.eval_size=4", "warm_start.steps=0", "rollout.n=4", "rollout.max_tokens=4",
+        "batch.prompts_per_step=4", "trainer.total_steps=2", "trainer.eval_every=2", "refit.verify=true",
+        "rollout.quantization=fp8+mxfp4", "rollout.routing_replay=true", "trainer.threads=1",
+        "logging.tensorboard=false", "logging.plot=false", "logging.progress=false", "checkpoint.save=false",
+        f"trainer.output_dir={tmp_path}", "trainer.mode=async", "pipeline.max_staleness=1"])
+    steps = [r for r in train(cfg).history if "reward/mean" in r]
+    assert len(steps) == 2 and all(r["async/staleness_max"] <= 1 for r in steps)
+    assert steps[0]["async/staleness_max"] == 0 and steps[0]["rollout/trainer_logprob_abs_diff"] < 0.05
