@@ -53,7 +53,9 @@ def deepseek_v3_config(tokenizer, spec: ModelConfig, max_position_embeddings: in
     MLA with per-head ``qk_nope = v = hidden / heads``, a ``qk_rope`` of half that and a
     latent of ``hidden / 2`` (no q-LoRA at this width); layer 0 dense (``first_k_dense_replace``),
     the others DeepSeekMoE: 8 routed experts of ``intermediate / 4`` in 4 groups, the best 2
-    groups kept, top-2, one shared expert, renormalized and scaled by 2.5 as DeepSeek-V3.
+    groups kept, top-2, one shared expert, renormalized. ``routed_scaling_factor`` 1.0, not
+    DeepSeek-V3's 2.5 (tuned for top-8 of 256 experts): on the default job 2.5 measured 0.879
+    held-out after 300 RL steps, 1.0 measured 0.910 (seed 0).
     ``model.num_key_value_heads`` does not apply (MLA: every head reads the latent).
     """
     from transformers import DeepseekV3Config
@@ -64,7 +66,7 @@ def deepseek_v3_config(tokenizer, spec: ModelConfig, max_position_embeddings: in
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_attention_heads,
         intermediate_size=spec.intermediate_size, moe_intermediate_size=max(spec.intermediate_size // 4, 1),
         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
-        first_k_dense_replace=min(1, spec.num_hidden_layers - 1), norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=min(1, spec.num_hidden_layers - 1), norm_topk_prob=True, routed_scaling_factor=1.0,
         q_lora_rank=None, kv_lora_rank=max(spec.hidden_size // 2, 2), qk_nope_head_dim=head,
         qk_rope_head_dim=max(2 * (head // 4), 2), v_head_dim=head, rope_interleave=True, num_mtp_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

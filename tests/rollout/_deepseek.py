@@ -14,6 +14,7 @@ import transformers
 
 from hybridrl.refit.transport import named_trainer_tensors
 from hybridrl.rollout import EngineSpec, RolloutEngine
+from tests.rollout.conftest import make_hf_model
 
 VOCAB = 101
 
@@ -64,14 +65,8 @@ def draw_config(rng: random.Random, **overrides) -> transformers.DeepseekV3Confi
 def hf_model(cfg, seed: int = 0, dtype=torch.float32):
     """Weights large enough that routing and greedy decoding are far from degenerate, and a
     random ``e_score_correction_bias`` (so selection and combine weights differ)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    model = make_hf_model(cfg, seed, experts_implementation="eager")
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.12))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))

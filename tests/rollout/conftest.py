@@ -28,11 +28,11 @@ def make_config(family: str, **overrides):
     return cfg
 
 
-def make_hf_model(cfg, seed: int = 0, dtype=torch.float32):
+def make_hf_model(cfg, seed: int = 0, dtype=torch.float32, **from_config):
     """HF model with weights large enough that logits are far from uniform (std 0.02 init
     makes greedy decoding degenerate and would hide bugs)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **from_config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

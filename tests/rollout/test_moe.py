@@ -11,7 +11,7 @@ from hybridrl.rollout.layers import fused_moe
 from hybridrl.rollout.layers.fused_moe import fused_experts
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.weight_update import WeightUpdateError
-from tests.rollout.conftest import VOCAB
+from tests.rollout.conftest import VOCAB, make_hf_model
 
 MOE_FAMILIES = ["qwen3_moe", "qwen3_moe_step2", "qwen2_moe"]
 
@@ -38,16 +38,8 @@ def make_moe_config(family: str = "qwen3_moe", **overrides):
 def make_moe_hf_model(cfg, seed: int = 0, dtype=torch.float32, eager_experts: bool = False):
     """Like conftest.make_hf_model (weights large enough that routing and greedy decoding are
     far from degenerate); ``eager_experts`` for float64 references (torch's grouped GEMM has none)."""
-    torch.manual_seed(seed)
     kw = {"experts_implementation": "eager"} if eager_experts else {}
-    model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.12))
-    return model.to(dtype).eval()
+    return make_hf_model(cfg, seed, dtype, **kw)
 
 
 def moe_engine(cfg, hf=None, *, max_batch_size=4, max_seq_len=64, dtype=torch.float32, quantization=None, **kw):
