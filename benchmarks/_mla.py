@@ -11,7 +11,8 @@
   and expands it through ``kv_b_proj`` at every step).
 
 The model keeps DeepSeek-V3's ratios at toy width: 8 heads, latent 128 + rope 32, per-head
-q/k nope 64 and v 64 (V3: 128 heads, 512 + 64, 128 / 128), 2 layers (1 dense, 1 MoE).
+q/k nope 64 and v 64 (V3: 128 heads, 512 + 64, 128 / 128), 3 layers (1 dense, 2 MoE: a flipped
+expert choice in the first MoE layer reaches later tokens through the last attention).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from hybridrl.refit.transport import named_trainer_tensors
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.rollout.layers.mla import set_decode_mode
 
-MLA = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+MLA = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=3,
            num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32,
            qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
            n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=8192, num_mtp_layers=0)

@@ -26,6 +26,8 @@ Rows:
   uses that equal the engine's recorded choice for that token (as sets), over every token
   the engine fed through the model; both sides measured from transformers' routers' outputs
   (forward hooks) on the same inputs: ``ours`` with routing replay, ``baseline`` without.
+  Also for DeepSeek-V3's DeepSeekMoE (``_mla.py``'s model: the grouped sigmoid router with its
+  correction bias) with FP8 attention + MXFP4 experts and with a bf16 engine.
 
     python benchmarks/moe.py [--quick] [--json PATH] [--threads N]
 """
@@ -42,6 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import moe_model as make_model, parse_args, report, row  # noqa: E402
 from rollout import PROMPT_LEN, bench_case  # noqa: E402
 
+from _mla import mla_model  # noqa: E402
+
+from hybridrl.refit.transport import named_trainer_tensors  # noqa: E402
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams  # noqa: E402
 from hybridrl.rollout.routing import enable_routing_record, hf_routers, replay_routing  # noqa: E402
 
@@ -79,7 +84,7 @@ def bench_gap(hf, label: str, n_prompts: int, new_tokens: int, **spec_kw) -> lis
     spec = EngineSpec(max_batch_size=n_prompts, max_seq_len=PROMPT_LEN + new_tokens, **spec_kw)
     engine = RolloutEngine(hf.config, spec)
     recorder = enable_routing_record(engine)
-    engine.load_weights(hf.named_parameters())
+    engine.load_weights(named_trainer_tensors(hf))
     prompts = torch.randint(0, hf.config.vocab_size, (n_prompts, PROMPT_LEN), generator=torch.Generator().manual_seed(2))
     out = engine.generate(prompts.tolist(), SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=3))
     routed = recorder.take(out)
@@ -113,6 +118,9 @@ def main() -> None:
     n_prompts, gap_tokens = (8, 16) if args.quick else (32, 48)
     rows += bench_gap(hf, "mxfp4", n_prompts, gap_tokens, quantization="mxfp4")
     rows += bench_gap(hf, "bf16", n_prompts, gap_tokens, dtype=torch.bfloat16)
+    deepseek = mla_model(torch.float32)  # DeepSeekMoE: the grouped sigmoid router, replayed as for Qwen3-MoE
+    rows += bench_gap(deepseek, "deepseek_v3 fp8+mxfp4", n_prompts, gap_tokens, quantization="fp8+mxfp4")
+    rows += bench_gap(deepseek, "deepseek_v3 bf16", n_prompts, gap_tokens, dtype=torch.bfloat16)
     print(f"threads={torch.get_num_threads()}")
     report(rows, args.json)
 
