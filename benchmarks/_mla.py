@@ -131,7 +131,7 @@ def bench_mla(dtype: torch.dtype, quick: bool) -> list[dict]:
     hf = mla_model(dtype)
     rows = kv_rows(dtype)
     if quick:
-        rows += decode_rows(hf, dtype, (1024,), batch=4, steps=4, repeats=2)
+        rows += decode_rows(hf, dtype, (1024, 4096), batch=2, steps=4, repeats=2)
         rows += prefill_rows(hf, dtype, 512, batch=1, repeats=2)
         rows += hf_rows(hf, dtype, 4, 16, repeats=2)
     else:
