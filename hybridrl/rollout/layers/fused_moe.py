@@ -77,17 +77,25 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``limit`` (DeepSeek-V4's ``swiglu_limit``) the gate is clamped
+    to ``<= limit`` and up to ``[-limit, limit]`` first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+                  topk_weights: torch.Tensor, impl: str | None = None, limit: float | None = None) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token t.
 
     x ``[T, H]``; w13 ``[E, 2I, H]`` (gate rows then up rows); w2 ``[E, H, I]``; topk_ids,
-    topk_weights ``[T, k]`` (weights in x's dtype). An expert is ``down(silu(gate(x)) * up(x))``.
-    Returns ``[T, H]`` in x's dtype.
+    topk_weights ``[T, k]`` (weights in x's dtype). An expert is ``down(swiglu(gate(x), up(x)))``
+    (``limit``: the clamped SwiGLU). Returns ``[T, H]`` in x's dtype.
     """
     impl = impl or _pick_impl(x)
     if impl == "dense":
-        return _dense(x, w13, w2, topk_ids, topk_weights)
+        return _dense(x, w13, w2, topk_ids, topk_weights, limit)
     T, H = x.shape
     k = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -99,7 +107,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # group ends
         mm = _grouped_mm_fn()
         h = mm(xs, w13.transpose(1, 2), offs=offs)  # (T*k, 2I)
-        a = F.silu(h[:, :two_i // 2]) * h[:, two_i // 2:]
+        a = swiglu(h[:, :two_i // 2], h[:, two_i // 2:], limit)
         y = mm(a, w2.transpose(1, 2), offs=offs)  # (T*k, H)
     elif impl == "loop":
         y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
@@ -108,7 +116,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         for e, n in enumerate(counts):
             if n:
                 g, u = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
-                y[start:start + n] = F.linear(F.silu(g) * u, w2[e])
+                y[start:start + n] = F.linear(swiglu(g, u, limit), w2[e])
                 start += n
     else:
         raise ValueError(f"fused_experts: unknown impl {impl!r}; use 'grouped', 'loop' or 'dense'")
@@ -117,14 +125,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     return out.view(T, k, H).sum(dim=1)
 
 
-def _dense(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+def _dense(x, w13, w2, topk_ids, topk_weights, limit=None) -> torch.Tensor:
     """Every expert on every token, weighted by a [T, E] combine matrix (zeros off the top-k)."""
     E, two_i, _ = w13.shape
     combine = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter_(1, topk_ids, topk_weights)
     out = torch.zeros_like(x)
     for e in range(E):
         g, u = F.linear(x, w13[e]).chunk(2, dim=-1)
-        out += combine[:, e:e + 1] * F.linear(F.silu(g) * u, w2[e])
+        out += combine[:, e:e + 1] * F.linear(swiglu(g, u, limit), w2[e])
     return out
 
 
@@ -274,9 +282,11 @@ class FusedExperts(nn.Module):
     """E experts of width I over hidden size H; ``forward(x, topk_ids, topk_weights)``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 method: FusedMoEMethodBase, dtype: torch.dtype, device: torch.device, prefix: str = ""):
+                 method: FusedMoEMethodBase, dtype: torch.dtype, device: torch.device, prefix: str = "",
+                 swiglu_limit: float | None = None):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.swiglu_limit = swiglu_limit
         self.dtype, self.prefix, self.method = dtype, prefix, method
         method.create_weights(self, dtype, device)
 
@@ -314,7 +324,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.method.compute_weights(self)
-        return fused_experts(x, w13, w2, topk_ids, topk_weights)
+        return fused_experts(x, w13, w2, topk_ids, topk_weights, limit=self.swiglu_limit)
 
     def hf_weight_routes(self, module_name: str) -> Iterator["ExpertRoute"]:
         """Fused (expected) routes, then per-expert alias routes, for this layer at ``module_name``."""

@@ -1,0 +1,86 @@
+"""DeepSeek-V4's manifold-constrained hyper-connections (mHC), as transformers computes them.
+
+The residual stream is ``hc_mult`` parallel streams ``X [B, S, N, H]``. Before a block
+(attention or MoE) a :class:`HyperConnection` reads all N streams (flattened, unweighted-RMS
+normed, one float32 linear) and returns
+
+- ``collapsed [B, S, H]``: the block's input, ``sum_n pre_n X_n`` (``pre = sigmoid(.) + eps``);
+- ``post [B, S, N]``: how the block's output is spread back (``2 sigmoid(.)``);
+- ``comb [B, S, N, N]``: a Sinkhorn-normalised (near doubly stochastic) mixing of the input
+  streams (one column normalisation, then ``hc_sinkhorn_iters - 1`` row + column rounds);
+
+and the layer forms ``X_k <- post_k * block(collapsed) + sum_j comb[j, k] X_j``.
+:class:`HyperHead` collapses the N streams once more before the final norm. Every
+parameter is a plain engine-dtype tensor loaded by copy (``fn``, ``base``, ``scale``,
+``hc_fn``, ``hc_base``, ``hc_scale``: transformers' names); the math runs in float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.rollout.layers.norm import copy_loader
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps)`` over the last dim; the rsqrt is computed in float32 and
+    cast to x's dtype *before* the multiply (transformers' ``DeepseekV4UnweightedRMSNorm``)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _param(*shape, dtype, device) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = copy_loader
+    return p
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                 dtype, device):
+        super().__init__()
+        n = hc_mult
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.fn = _param((2 + n) * n, n * hidden_size, dtype=dtype, device=device)
+        self.base = _param((2 + n) * n, dtype=dtype, device=device)
+        self.scale = _param(3, dtype=dtype, device=device)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, S, N, H] -> (post [B, S, N] fp32, comb [B, S, N, N] fp32, collapsed [B, S, H])."""
+        B, S = streams.shape[:2]
+        n, eps = self.n, self.hc_eps
+        mixes = F.linear(unweighted_rms_norm(streams.reshape(B, S, -1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(B, S, n, n) * s_comb + comb_b.view(n, n), dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def expand(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The layer's stream update: ``post_k * block_out + sum_j comb[j, k] streams_j`` -> [B, S, N, H]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                  streams)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float, dtype, device):
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.hc_fn = _param(hc_mult, hc_mult * hidden_size, dtype=dtype, device=device)
+        self.hc_base = _param(hc_mult, dtype=dtype, device=device)
+        self.hc_scale = _param(1, dtype=dtype, device=device)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [B, S, N, H] -> [B, S, H]."""
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

@@ -1,0 +1,225 @@
+"""DeepSeek-V4 attention, stateless (full sequences, no KV cache): work in progress (#32).
+
+Equal to transformers' ``DeepseekV4Attention`` without a cache, module names mirrored so
+Hugging Face names route by default. Per layer type (``layer_types``):
+
+- ``sliding_attention``: shared-KV multi-query attention (one head read as K and V) over the
+  last ``sliding_window`` positions, the *main* rope;
+- ``heavily_compressed_attention`` (HCA): the sliding part (compress rope) plus one compressed
+  entry per ``M`` tokens (:class:`HcaCompressor`, non-overlapping softmax-gated windows), all
+  attended once complete;
+- ``compressed_sparse_attention`` (CSA): the sliding part plus one entry per ``m`` tokens from
+  overlapping ``2m`` windows (:class:`CsaCompressor`), of which the lightning indexer
+  (:class:`Indexer`) keeps the top ``index_topk`` per query.
+
+Queries: q-LoRA, an unweighted per-head RMS norm, rope on the trailing ``rope_dim`` channels
+(interleaved pairs, float32). Scores get a per-head learned sink logit (softmax over keys +
+sink, the sink's share dropped); the output's rope slice is rotated back (the conjugate,
+``-sin``, at the query's position); ``o_a_proj`` projects each of ``o_groups`` head groups to
+``o_lora_rank`` (a block-diagonal matmul), ``o_b_proj`` mixes them.
+
+Not built yet: the per-request state a cache needs (sliding ring, compressed entries, the
+compressors' partial windows) — ``docs/design/deepseek_v4_plan.md`` §3. Rows must be right
+padded (the compressors cut windows from position 0; transformers is wrong with left
+padding too).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.rollout.deepseek_v4_config import V4Dims
+from hybridrl.rollout.layers.hyper_connection import _param, unweighted_rms_norm
+from hybridrl.rollout.layers.linear import LinearBase, ReplicatedLinear
+from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from hybridrl.rollout.layers.norm import RMSNorm
+
+
+class V4Rotary(nn.Module):
+    """cos / sin ``[max_seq_len, rope_dim / 2]`` for the ``main`` and ``compress`` ropes (one
+    frequency per interleaved pair), times the rope's attention factor, in the engine dtype."""
+
+    def __init__(self, dims: V4Dims, max_seq_len: int, dtype, device):
+        super().__init__()
+        pos = torch.arange(max_seq_len, dtype=torch.float32)[:, None]
+        for label, inv, factor in (("main", dims.main_inv_freq, dims.main_attention_factor),
+                                   ("compress", dims.compress_inv_freq, dims.compress_attention_factor)):
+            freqs = pos * torch.tensor(inv, dtype=torch.float32)[None, :]
+            self.register_buffer(f"{label}_cos", (freqs.cos() * factor).to(dtype=dtype, device=device),
+                                 persistent=False)
+            self.register_buffer(f"{label}_sin", (freqs.sin() * factor).to(dtype=dtype, device=device),
+                                 persistent=False)
+
+    def tables(self, label: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] long -> (cos, sin) [..., rope_dim] (pairs expanded)."""
+        cos, sin = getattr(self, f"{label}_cos")[positions], getattr(self, f"{label}_sin")[positions]
+        return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved rope on the trailing ``cos.shape[-1]`` channels of ``x`` (float32 math, cast
+    back); ``cos``/``sin`` broadcast against ``x[..., -R:]``."""
+    R = cos.shape[-1]
+    nope, rope = x[..., :-R], x[..., -R:]
+    half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope.float() * cos + half.float() * sin).to(x.dtype)], dim=-1)
+
+
+class GroupedLinear(LinearBase):
+    """``o_a_proj``: ``G`` groups of ``K`` inputs each projected to ``r`` outputs (the HF
+    weight ``[G * r, K]``, one block per group). x ``[..., G, K]`` -> ``[..., G, r]``."""
+
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int, **kw):
+        self.n_groups = n_groups
+        super().__init__(in_per_group, [out_features], bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = getattr(self, "weight_dequant", None)
+        w = self.weight if w is None else w
+        G, K = self.n_groups, self.input_size
+        y = torch.bmm(x.reshape(-1, G, K).transpose(0, 1), w.view(G, -1, K).transpose(1, 2))  # (G, T, r)
+        return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
+
+
+def _pool(kv: torch.Tensor, gate: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """Softmax-gated sum over the window slots (dim 2, float32 softmax per channel), normed."""
+    return norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+
+
+class _Compressor(nn.Module):
+    """kv_proj / gate_proj (never quantized: the checkpoints ship them unquantized),
+    position_bias, kv_norm; ``overlap``: CSA's 2m windows of stride m."""
+
+    def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float, dtype, device, prefix: str):
+        super().__init__()
+        out = 2 * width if overlap else width
+        kw = dict(bias=False, method=UnquantizedLinearMethod(), dtype=dtype, device=device)
+        self.kv_proj = ReplicatedLinear(hidden, out, prefix=f"{prefix}.kv_proj", **kw)
+        self.gate_proj = ReplicatedLinear(hidden, out, prefix=f"{prefix}.gate_proj", **kw)
+        self.position_bias = _param(rate, out, dtype=dtype, device=device)
+        self.kv_norm = RMSNorm(width, eps, dtype, device)
+        self.rate, self.width, self.overlap = rate, width, overlap
+
+    def entries(self, x: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
+        """x [B, S, hidden] -> the complete windows' entries [B, S // rate, width] (rotated at
+        the window's first position)."""
+        B, S, _ = x.shape
+        m, D = self.rate, self.width
+        n = S // m
+        kv = self.kv_proj(x[:, :n * m]).view(B, n, m, -1)
+        gate = self.gate_proj(x[:, :n * m]).view(B, n, m, -1) + self.position_bias
+        if self.overlap:  # slots [0, m): window w-1's first half; [m, 2m): window w's second half
+            kv2 = kv.new_zeros(B, n, 2 * m, D)
+            gate2 = gate.new_full((B, n, 2 * m, D), float("-inf"))
+            kv2[:, :, m:], gate2[:, :, m:] = kv[..., D:], gate[..., D:]
+            kv2[:, 1:, :m], gate2[:, 1:, :m] = kv[:, :-1, :, :D], gate[:, :-1, :, :D]
+            kv, gate = kv2, gate2
+        pooled = _pool(kv, gate, self.kv_norm)  # (B, n, D)
+        cos, sin = rotary.tables("compress", torch.arange(n, device=x.device) * m)
+        return rotate_tail(pooled, cos, sin)
+
+
+class Indexer(_Compressor):
+    """The lightning indexer: its own overlapping compressor at ``index_head_dim`` (its
+    kv_proj / gate_proj / position_bias / kv_norm), then scores ``sum_h w_h relu(q_h . K_c)``
+    (float32) that pick the top ``index_topk`` complete entries per query."""
+
+    def __init__(self, hidden: int, dims: V4Dims, eps: float, method: LinearMethodBase, dtype, device, prefix: str):
+        super().__init__(hidden, dims.index_head_dim, dims.csa_rate, True, eps, dtype, device, prefix)
+        self.heads, self.head_dim, self.topk = dims.index_n_heads, dims.index_head_dim, dims.index_topk
+        self.q_b_proj = ReplicatedLinear(dims.q_lora_rank, self.heads * self.head_dim, bias=False, method=method,
+                                         dtype=dtype, device=device, prefix=f"{prefix}.q_b_proj")
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = ReplicatedLinear(hidden, self.heads, bias=False, method=UnquantizedLinearMethod(),
+                                                    dtype=dtype, device=device, prefix=f"{prefix}.scorer.weights_proj")
+
+    def select(self, x, q_res, positions, rotary: V4Rotary) -> torch.Tensor:
+        """-> ids [B, S, min(topk, n)] of the chosen complete entries per query, -1 = none."""
+        B, S, _ = x.shape
+        keys = self.entries(x, rotary)  # (B, n, D_I)
+        q = self.q_b_proj(q_res).view(B, S, self.heads, self.head_dim)
+        cos, sin = rotary.tables("compress", positions)
+        q = rotate_tail(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # (B, S, H_I, n)
+        scores = F.relu(scores) * self.head_dim ** -0.5
+        weights = self.scorer.weights_proj(x).float() * self.heads ** -0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, S, n)
+        n = keys.shape[1]
+        k = min(self.topk, n)
+        if n == 0:
+            return scores.topk(k, dim=-1).indices
+        threshold = (positions + 1) // self.rate  # (B, S): entries < threshold are complete
+        future = torch.arange(n, device=x.device).view(1, 1, -1) >= threshold.unsqueeze(-1)
+        ids = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+        return torch.where(ids >= threshold.unsqueeze(-1), torch.full_like(ids, -1), ids)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, dims: V4Dims, layer_type: str, eps: float,
+                 method: LinearMethodBase, dtype, device, prefix: str):
+        super().__init__()
+        D = dims.head_dim
+        self.heads, self.head_dim, self.window, self.eps = heads, D, dims.sliding_window, eps
+        self.layer_type, self.dims = layer_type, dims
+        self.rope = "main" if layer_type == "sliding_attention" else "compress"
+        kw = dict(bias=False, method=method, dtype=dtype, device=device)
+        self.q_a_proj = ReplicatedLinear(hidden, dims.q_lora_rank, prefix=f"{prefix}.q_a_proj", **kw)
+        self.q_a_norm = RMSNorm(dims.q_lora_rank, eps, dtype, device)
+        self.q_b_proj = ReplicatedLinear(dims.q_lora_rank, heads * D, prefix=f"{prefix}.q_b_proj", **kw)
+        self.kv_proj = ReplicatedLinear(hidden, D, prefix=f"{prefix}.kv_proj", **kw)
+        self.kv_norm = RMSNorm(D, eps, dtype, device)
+        self.o_a_proj = GroupedLinear(heads * D // dims.o_groups, dims.o_groups * dims.o_lora_rank, dims.o_groups,
+                                      prefix=f"{prefix}.o_a_proj", method=method, dtype=dtype, device=device)
+        self.o_b_proj = ReplicatedLinear(dims.o_groups * dims.o_lora_rank, hidden, prefix=f"{prefix}.o_b_proj", **kw)
+        self.sinks = _param(heads, dtype=dtype, device=device)
+        self.compressor = None
+        if layer_type == "heavily_compressed_attention":
+            self.compressor = _Compressor(hidden, D, dims.hca_rate, False, eps, dtype, device, f"{prefix}.compressor")
+        elif layer_type == "compressed_sparse_attention":
+            self.compressor = _Compressor(hidden, D, dims.csa_rate, True, eps, dtype, device, f"{prefix}.compressor")
+            self.compressor.indexer = Indexer(hidden, dims, eps, method, dtype, device, f"{prefix}.compressor.indexer")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                rotary: V4Rotary) -> torch.Tensor:
+        """x [B, S, hidden], positions [B, S], key_valid [B, S] bool (right padding) -> [B, S, hidden]."""
+        B, S, _ = x.shape
+        H, D = self.heads, self.head_dim
+        cos, sin = rotary.tables(self.rope, positions)  # (B, S, R)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads: (B, 1, S, R)
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_res).view(B, S, H, D).transpose(1, 2), self.eps)
+        q = rotate_tail(q, cos, sin)  # (B, H, S, D)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)).view(B, 1, S, D), cos, sin)  # (B, 1, S, D)
+        t = positions.unsqueeze(-1)  # query positions (B, S, 1); keys are the row's own positions
+        p = positions.unsqueeze(1)
+        mask = (p <= t) & (p > t - self.window) & key_valid.unsqueeze(1)  # (B, S, S)
+        bias = torch.zeros(B, 1, S, S, dtype=x.dtype, device=x.device).masked_fill_(~mask.unsqueeze(1),
+                                                                                    float("-inf"))
+        keys = kv
+        if self.compressor is not None:
+            entries = self.compressor.entries(x, rotary).unsqueeze(1)  # (B, 1, n, D)
+            bias = torch.cat([bias, self._entry_bias(x, q_res, positions, entries.shape[2], rotary)], dim=-1)
+            keys = torch.cat([kv, entries], dim=2)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * D ** -0.5 + bias  # (B, H, S, T)
+        logits = torch.cat([scores, self.sinks.view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        o = torch.matmul(probs.to(keys.dtype), keys)  # (B, H, S, D): V is the same rotated kv
+        o = rotate_tail(o, cos, -sin).transpose(1, 2)  # conjugate rotation at the query position
+        z = self.o_a_proj(o.reshape(B, S, self.dims.o_groups, -1)).flatten(2)
+        return self.o_b_proj(z)
+
+    def _entry_bias(self, x, q_res, positions, n: int, rotary: V4Rotary) -> torch.Tensor:
+        """[B, 1, S, n] additive: 0 where query t may read entry c, -inf elsewhere."""
+        B, S, _ = x.shape
+        if self.layer_type == "heavily_compressed_attention":
+            threshold = (positions + 1) // self.dims.hca_rate
+            blocked = torch.arange(n, device=x.device).view(1, 1, -1) >= threshold.unsqueeze(-1)
+        else:
+            ids = self.compressor.indexer.select(x, q_res, positions, rotary)  # (B, S, k), -1 = none
+            chosen = torch.zeros(B, S, n + 1, dtype=torch.bool, device=x.device)
+            chosen.scatter_(-1, torch.where(ids >= 0, ids, torch.full_like(ids, n)), True)
+            blocked = ~chosen[..., :n]
+        return torch.zeros(B, 1, S, n, dtype=x.dtype, device=x.device).masked_fill_(blocked.unsqueeze(1),
+                                                                                    float("-inf"))

@@ -1,0 +1,157 @@
+"""DeepSeek-V4 decoder, stateless forward (full sequences): work in progress for #32.
+
+transformers' ``DeepseekV4ForCausalLM`` module for module (names mirrored, so HF names route
+by default): token embedding copied into ``hc_mult`` streams; per layer a hyper-connected
+attention block (``layers/v4_attention.py``) and a hyper-connected MoE block; the streams
+collapsed by the hyper head, normed, projected. The MoE block: a router that scores experts
+with ``scoring_func`` (``sqrtsoftplus`` or ``sigmoid``) on logits in the model dtype, picks
+them by the frozen ``tid2eid[token]`` table (``hash_moe`` layers) or by top-k of the scores
+plus the correction bias (``moe`` layers), weights = the chosen scores renormalized times
+``routed_scaling_factor``; experts and the one shared MLP use the clamped SwiGLU
+(``swiglu_limit``). Every layer is MoE (V4 has no dense MLP layers).
+
+Not an engine model yet: no KV state, so :class:`DeepseekV4Model` only runs
+``forward(input_ids, valid)`` over right-padded rows (``docs/design/deepseek_v4_plan.md``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.rollout.deepseek_v4_config import V4Dims
+from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
+from hybridrl.rollout.layers.fused_moe import FusedExperts, FusedMoEMethodBase, UnquantizedFusedMoEMethod, swiglu
+from hybridrl.rollout.layers.hyper_connection import HyperConnection, HyperHead, expand
+from hybridrl.rollout.layers.linear import MergedColumnLinear, ReplicatedLinear
+from hybridrl.rollout.layers.linear_method import LinearMethodBase
+from hybridrl.rollout.layers.norm import RMSNorm, copy_loader
+from hybridrl.rollout.layers.v4_attention import V4Attention, V4Rotary
+from hybridrl.rollout.model_config import ModelConfig
+
+SCORE_FNS = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
+
+
+class SharedMLP(nn.Module):
+    """The shared expert: fused gate_up, clamped SwiGLU, down."""
+
+    def __init__(self, hidden: int, width: int, limit: float, method: LinearMethodBase, dtype, device, prefix: str):
+        super().__init__()
+        kw = dict(bias=False, method=method, dtype=dtype, device=device)
+        self.gate_up_proj = MergedColumnLinear(hidden, [width] * 2, prefix=f"{prefix}.gate_up_proj", **kw)
+        self.down_proj = ReplicatedLinear(width, hidden, prefix=f"{prefix}.down_proj", **kw)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(swiglu(gate, up, self.limit))
+
+
+class V4Router(nn.Module):
+    """``mlp.gate``: ``weight [E, H]`` and either ``tid2eid [V, k]`` (int64, frozen: hash
+    layers) or the float32 ``e_score_correction_bias [E]`` (top-k layers); all loaded by copy."""
+
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, hashed: bool, dtype, device):
+        super().__init__()
+        E, H, k = cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_tok
+        self.top_k, self.hashed = k, hashed
+        self.score = SCORE_FNS[dims.scoring_func]
+        self.scaling = dims.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = copy_loader
+        if hashed:
+            self.tid2eid = nn.Parameter(torch.zeros(cfg.vocab_size, k, dtype=torch.long, device=device),
+                                        requires_grad=False)
+            self.tid2eid.weight_loader = copy_loader
+        else:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32, device=device),
+                                                        requires_grad=False)
+            self.e_score_correction_bias.weight_loader = copy_loader
+
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H], token_ids [T] -> (ids [T, k] int64, weights [T, k] in the scores' dtype)."""
+        scores = self.score(F.linear(h, self.weight))
+        if self.hashed:
+            ids = self.tid2eid[token_ids]
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
+        w = scores.gather(1, ids)
+        return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class V4MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, hashed: bool, method: LinearMethodBase,
+                 moe_method: FusedMoEMethodBase, dtype, device, prefix: str):
+        super().__init__()
+        self.gate = V4Router(cfg, dims, hashed, dtype, device)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, method=moe_method,
+                                    dtype=dtype, device=device, prefix=f"{prefix}.experts",
+                                    swiglu_limit=dims.swiglu_limit)
+        self.shared_experts = SharedMLP(cfg.hidden_size, cfg.moe_intermediate_size, dims.swiglu_limit, method,
+                                        dtype, device, f"{prefix}.shared_experts")
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        h = x.reshape(-1, H)
+        ids, weights = self.gate(h, input_ids.reshape(-1))
+        return (self.experts(h, ids, weights.to(h.dtype)) + self.shared_experts(h)).view(B, S, H)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, idx: int, method, moe_method, dtype, device, prefix: str):
+        super().__init__()
+        eps, H = cfg.rms_norm_eps, cfg.hidden_size
+        self.self_attn = V4Attention(H, cfg.num_heads, dims, dims.layer_types[idx], eps, method, dtype, device,
+                                     f"{prefix}.self_attn")
+        self.mlp = V4MoE(cfg, dims, dims.mlp_layer_types[idx] == "hash_moe", method, moe_method, dtype, device,
+                         f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(H, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(H, eps, dtype, device)
+        hc = dict(hc_mult=dims.hc_mult, hidden_size=H, sinkhorn_iters=dims.hc_sinkhorn_iters, hc_eps=dims.hc_eps,
+                  norm_eps=eps, dtype=dtype, device=device)
+        self.attn_hc, self.ffn_hc = HyperConnection(**hc), HyperConnection(**hc)
+
+    def forward(self, streams, input_ids, positions, valid, rotary) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, valid, rotary), streams)
+        post, comb, x = self.ffn_hc(streams)
+        return expand(post, comb, self.mlp(self.post_attention_layernorm(x), input_ids), streams)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, method: LinearMethodBase, max_seq_len: int, dtype, device,
+                 moe_method: FusedMoEMethodBase | None = None):
+        super().__init__()
+        moe_method = moe_method or getattr(method, "moe_method", None) or UnquantizedFusedMoEMethod()
+        self.dims = dims
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, dims, i, method, moe_method, dtype, device,
+                                                   f"model.layers.{i}") for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.hc_head = HyperHead(dims.hc_mult, cfg.hidden_size, dims.hc_eps, cfg.rms_norm_eps, dtype, device)
+        self.rotary_emb = V4Rotary(dims, max_seq_len, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S], valid [B, S] bool (right padding) -> hidden [B, S, hidden]."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(2).expand(-1, -1, self.dims.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, positions, valid, self.rotary_emb)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, method: LinearMethodBase, max_seq_len: int, dtype, device,
+                 moe_method: FusedMoEMethodBase | None = None):
+        super().__init__()
+        self.config, self.dims = cfg, dims
+        self.model = DeepseekV4Model(cfg, dims, method, max_seq_len, dtype, device, moe_method)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied)
+
+    def logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """[B, S] right-padded -> logits [B, S, V] float32."""
+        return self.lm_head(self.model(input_ids, valid)).float()
