@@ -34,6 +34,7 @@ from hybridrl.rollout.layers.hyper_connection import _param, unweighted_rms_norm
 from hybridrl.rollout.layers.linear import LinearBase, ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import RMSNorm
+from hybridrl.rollout.v4_state import ring_positions
 
 
 class V4Rotary(nn.Module):
@@ -82,6 +83,14 @@ class GroupedLinear(LinearBase):
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 
 
+def _ring_gather(seq: torch.Tensor, lengths: torch.Tensor, ring: int) -> torch.Tensor:
+    """seq [B, S, C] of right-padded rows -> [B, ring, C]: slot s holds the row's newest valid
+    position p with p % ring == s (zeros where the row has none)."""
+    pos = ring_positions(lengths - 1, ring)  # (B, ring)
+    got = seq.gather(1, pos.clamp(min=0).unsqueeze(-1).expand(-1, -1, seq.shape[-1]))
+    return got.masked_fill((pos < 0).unsqueeze(-1), 0.0)
+
+
 def _pool(kv: torch.Tensor, gate: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     """Softmax-gated sum over the window slots (dim 2, float32 softmax per channel), normed."""
     return norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
@@ -104,11 +113,17 @@ class _Compressor(nn.Module):
     def entries(self, x: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
         """x [B, S, hidden] -> the complete windows' entries [B, S // rate, width] (rotated at
         the window's first position)."""
+        return self.entries_and_raw(x, rotary)[0]
+
+    def entries_and_raw(self, x: torch.Tensor, rotary: V4Rotary):
+        """-> (entries [B, S // rate, width], raw kv [B, S, out], raw gate [B, S, out]): the
+        raw projections are what the state's rings keep (the gate without position_bias)."""
         B, S, _ = x.shape
         m, D = self.rate, self.width
         n = S // m
-        kv = self.kv_proj(x[:, :n * m]).view(B, n, m, -1)
-        gate = self.gate_proj(x[:, :n * m]).view(B, n, m, -1) + self.position_bias
+        raw_kv, raw_gate = self.kv_proj(x), self.gate_proj(x)
+        kv = raw_kv[:, :n * m].reshape(B, n, m, -1)
+        gate = raw_gate[:, :n * m].reshape(B, n, m, -1) + self.position_bias
         if self.overlap:  # slots [0, m): window w-1's first half; [m, 2m): window w's second half
             kv2 = kv.new_zeros(B, n, 2 * m, D)
             gate2 = gate.new_full((B, n, 2 * m, D), float("-inf"))
@@ -117,7 +132,44 @@ class _Compressor(nn.Module):
             kv, gate = kv2, gate2
         pooled = _pool(kv, gate, self.kv_norm)  # (B, n, D)
         cos, sin = rotary.tables("compress", torch.arange(n, device=x.device) * m)
+        return rotate_tail(pooled, cos, sin), raw_kv, raw_gate
+
+    def decode_entry(self, raw_kv: torch.Tensor, raw_gate: torch.Tensor, t: torch.Tensor,
+                     rotary: V4Rotary) -> torch.Tensor:
+        """The entry of the window each row's position ``t [B]`` is in, from the rings
+        ``raw_kv / raw_gate [B, ring, out]`` (slot = position % ring) -> [B, width]. Valid only
+        once that window is complete (callers mask it until then)."""
+        m, D = self.rate, self.width
+        ring = raw_kv.shape[1]
+        w = torch.div(t, m, rounding_mode="floor")  # (B,)
+        j = torch.arange(m, device=t.device).view(1, m)
+        def take(src, pos):  # rows' ring slots of positions pos [B, m] -> [B, m, out]
+            slots = torch.remainder(pos, ring).unsqueeze(-1).expand(-1, -1, src.shape[-1])
+            return src.gather(1, slots)
+        own = (w.view(-1, 1) * m + j)  # window w's positions
+        pb = self.position_bias
+        if not self.overlap:
+            kv, gate = take(raw_kv, own), take(raw_gate, own) + pb
+        else:
+            prev = own - m
+            kv_p, gate_p = take(raw_kv, prev)[..., :D], take(raw_gate, prev)[..., :D] + pb[:, :D]
+            none = (prev < 0).unsqueeze(-1)  # window 0 has no previous window: weight 0
+            kv_p = kv_p.masked_fill(none, 0.0)
+            gate_p = gate_p.masked_fill(none, float("-inf"))
+            kv = torch.cat([kv_p, take(raw_kv, own)[..., D:]], dim=1)
+            gate = torch.cat([gate_p, take(raw_gate, own)[..., D:] + pb[:, D:]], dim=1)
+        pooled = _pool(kv.unsqueeze(1), gate.unsqueeze(1), self.kv_norm)[:, 0]  # (B, D)
+        cos, sin = rotary.tables("compress", w * m)
         return rotate_tail(pooled, cos, sin)
+
+    def fill(self, state: dict, prefix: str, rows: slice, entries, raw_kv, raw_gate, lengths) -> None:
+        """Prefill: the rows' rings <- the last ring-many raw projections, entries <- all
+        computed windows (those past a row's complete ones are masked until rewritten)."""
+        ring = state[f"{prefix}raw_kv"].shape[1]
+        state[f"{prefix}raw_kv"][rows] = _ring_gather(raw_kv, lengths, ring)
+        state[f"{prefix}raw_gate"][rows] = _ring_gather(raw_gate, lengths, ring)
+        key = "index" if prefix else "comp"
+        state[key][rows, :entries.shape[1]] = entries
 
 
 class Indexer(_Compressor):
@@ -134,10 +186,10 @@ class Indexer(_Compressor):
         self.scorer.weights_proj = ReplicatedLinear(hidden, self.heads, bias=False, method=UnquantizedLinearMethod(),
                                                     dtype=dtype, device=device, prefix=f"{prefix}.scorer.weights_proj")
 
-    def select(self, x, q_res, positions, rotary: V4Rotary) -> torch.Tensor:
-        """-> ids [B, S, min(topk, n)] of the chosen complete entries per query, -1 = none."""
+    def select(self, x, q_res, positions, rotary: V4Rotary, keys: torch.Tensor) -> torch.Tensor:
+        """Queries x / q_res [B, S, *] at ``positions [B, S]`` over the index keys ``[B, n, D_I]``
+        -> ids [B, S, min(topk, n)] of the chosen complete entries, -1 = none."""
         B, S, _ = x.shape
-        keys = self.entries(x, rotary)  # (B, n, D_I)
         q = self.q_b_proj(q_res).view(B, S, self.heads, self.head_dim)
         cos, sin = rotary.tables("compress", positions)
         q = rotate_tail(q, cos.unsqueeze(2), sin.unsqueeze(2))
@@ -180,27 +232,17 @@ class V4Attention(nn.Module):
             self.compressor = _Compressor(hidden, D, dims.csa_rate, True, eps, dtype, device, f"{prefix}.compressor")
             self.compressor.indexer = Indexer(hidden, dims, eps, method, dtype, device, f"{prefix}.compressor.indexer")
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-                rotary: V4Rotary) -> torch.Tensor:
-        """x [B, S, hidden], positions [B, S], key_valid [B, S] bool (right padding) -> [B, S, hidden]."""
+    def _qkv(self, x, cos, sin):
         B, S, _ = x.shape
-        H, D = self.heads, self.head_dim
-        cos, sin = rotary.tables(self.rope, positions)  # (B, S, R)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads: (B, 1, S, R)
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(q_res).view(B, S, H, D).transpose(1, 2), self.eps)
+        q = unweighted_rms_norm(self.q_b_proj(q_res).view(B, S, self.heads, self.head_dim).transpose(1, 2), self.eps)
         q = rotate_tail(q, cos, sin)  # (B, H, S, D)
-        kv = rotate_tail(self.kv_norm(self.kv_proj(x)).view(B, 1, S, D), cos, sin)  # (B, 1, S, D)
-        t = positions.unsqueeze(-1)  # query positions (B, S, 1); keys are the row's own positions
-        p = positions.unsqueeze(1)
-        mask = (p <= t) & (p > t - self.window) & key_valid.unsqueeze(1)  # (B, S, S)
-        bias = torch.zeros(B, 1, S, S, dtype=x.dtype, device=x.device).masked_fill_(~mask.unsqueeze(1),
-                                                                                    float("-inf"))
-        keys = kv
-        if self.compressor is not None:
-            entries = self.compressor.entries(x, rotary).unsqueeze(1)  # (B, 1, n, D)
-            bias = torch.cat([bias, self._entry_bias(x, q_res, positions, entries.shape[2], rotary)], dim=-1)
-            keys = torch.cat([kv, entries], dim=2)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)).view(B, 1, S, self.head_dim), cos, sin)  # (B, 1, S, D)
+        return q_res, q, kv
+
+    def _attend(self, q, keys, bias, cos, sin) -> torch.Tensor:
+        """Sink attention over keys (= values) -> conjugate rope -> o_a (grouped) -> o_b."""
+        B, H, S, D = q.shape
         scores = torch.matmul(q, keys.transpose(-1, -2)) * D ** -0.5 + bias  # (B, H, S, T)
         logits = torch.cat([scores, self.sinks.view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
@@ -210,16 +252,98 @@ class V4Attention(nn.Module):
         z = self.o_a_proj(o.reshape(B, S, self.dims.o_groups, -1)).flatten(2)
         return self.o_b_proj(z)
 
-    def _entry_bias(self, x, q_res, positions, n: int, rotary: V4Rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, rotary: V4Rotary,
+                state: dict | None = None, rows: slice | None = None, lengths: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Full sequences. x [B, S, hidden], positions [B, S], key_valid [B, S] bool (right
+        padding) -> [B, S, hidden]. With ``state`` (a ``V4StateCache`` layer) the rows ``rows``
+        of it are filled for decoding on (``lengths [B]``: each row's valid tokens)."""
+        B, S, _ = x.shape
+        cos, sin = rotary.tables(self.rope, positions)  # (B, S, R)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads: (B, 1, S, R)
+        q_res, q, kv = self._qkv(x, cos, sin)
+        t = positions.unsqueeze(-1)  # query positions (B, S, 1); keys are the row's own positions
+        p = positions.unsqueeze(1)
+        mask = (p <= t) & (p > t - self.window) & key_valid.unsqueeze(1)  # (B, S, S)
+        bias = torch.zeros(B, 1, S, S, dtype=x.dtype, device=x.device).masked_fill_(~mask.unsqueeze(1),
+                                                                                    float("-inf"))
+        keys = kv
+        if state is not None:
+            state["swa"][rows] = _ring_gather(kv[:, 0], lengths, self.window)
+        if self.compressor is not None:
+            entries, raw_kv, raw_gate = self.compressor.entries_and_raw(x, rotary)
+            if state is not None:
+                self.compressor.fill(state, "", rows, entries, raw_kv, raw_gate, lengths)
+            entries = entries.unsqueeze(1)  # (B, 1, n, D)
+            bias = torch.cat([bias, self._entry_bias(x, q_res, positions, entries.shape[2], rotary,
+                                                     state, rows, lengths)], dim=-1)
+            keys = torch.cat([kv, entries], dim=2)
+        return self._attend(q, keys, bias, cos, sin)
+
+    def _entry_bias(self, x, q_res, positions, n: int, rotary: V4Rotary, state=None, rows=None,
+                    lengths=None) -> torch.Tensor:
         """[B, 1, S, n] additive: 0 where query t may read entry c, -inf elsewhere."""
         B, S, _ = x.shape
         if self.layer_type == "heavily_compressed_attention":
             threshold = (positions + 1) // self.dims.hca_rate
             blocked = torch.arange(n, device=x.device).view(1, 1, -1) >= threshold.unsqueeze(-1)
         else:
-            ids = self.compressor.indexer.select(x, q_res, positions, rotary)  # (B, S, k), -1 = none
-            chosen = torch.zeros(B, S, n + 1, dtype=torch.bool, device=x.device)
-            chosen.scatter_(-1, torch.where(ids >= 0, ids, torch.full_like(ids, n)), True)
-            blocked = ~chosen[..., :n]
+            indexer = self.compressor.indexer
+            keys, raw_kv, raw_gate = indexer.entries_and_raw(x, rotary)
+            if state is not None:
+                indexer.fill(state, "index_", rows, keys, raw_kv, raw_gate, lengths)
+            blocked = _unchosen(indexer.select(x, q_res, positions, rotary, keys), n)
         return torch.zeros(B, 1, S, n, dtype=x.dtype, device=x.device).masked_fill_(blocked.unsqueeze(1),
                                                                                     float("-inf"))
+
+    def decode(self, x: torch.Tensor, t: torch.Tensor, rotary: V4Rotary, state: dict) -> torch.Tensor:
+        """One token per row: rows [0, B) of ``state`` at positions ``t [B]`` -> [B, 1, hidden]."""
+        B = x.shape[0]
+        W = self.window
+        cos, sin = rotary.tables(self.rope, t.view(B, 1))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, R)
+        q_res, q, kv = self._qkv(x, cos, sin)
+        arange = torch.arange(B, device=x.device)
+        swa = state["swa"][:B]
+        swa[arange, torch.remainder(t, W)] = kv[:, 0, 0]
+        pos = ring_positions(t, W)  # (B, W): every slot is within the window, empty if < 0
+        bias = torch.zeros(B, 1, 1, W, dtype=x.dtype, device=x.device).masked_fill_(
+            (pos < 0).view(B, 1, 1, W), float("-inf"))
+        keys = swa.unsqueeze(1)  # (B, 1, W, D)
+        if self.compressor is not None:
+            comp = self.compressor
+            entries = state["comp"][:B]
+            self._write_entry(comp, state, "", x, t, rotary, entries)
+            n = entries.shape[1]
+            threshold = (t + 1) // comp.rate  # entries < threshold are complete
+            if self.layer_type == "heavily_compressed_attention":
+                blocked = torch.arange(n, device=x.device).view(1, n) >= threshold.view(B, 1)
+            else:
+                indexer = comp.indexer
+                index = state["index"][:B]
+                self._write_entry(indexer, state, "index_", x, t, rotary, index)
+                ids = indexer.select(x, q_res, t.view(B, 1), rotary, index)[:, 0]  # (B, k)
+                blocked = _unchosen(ids, n)
+            bias = torch.cat([bias, torch.zeros(B, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill_(
+                blocked.view(B, 1, 1, n), float("-inf"))], dim=-1)
+            keys = torch.cat([keys, entries.unsqueeze(1)], dim=2)
+        return self._attend(q, keys, bias, cos, sin)
+
+    @staticmethod
+    def _write_entry(comp, state: dict, prefix: str, x, t, rotary, entries) -> None:
+        """Append this token's raw projections to the rings and (re)build its window's entry."""
+        B = x.shape[0]
+        arange = torch.arange(B, device=x.device)
+        raw_kv, raw_gate = state[f"{prefix}raw_kv"][:B], state[f"{prefix}raw_gate"][:B]
+        slot = torch.remainder(t, raw_kv.shape[1])
+        raw_kv[arange, slot] = comp.kv_proj(x)[:, 0]
+        raw_gate[arange, slot] = comp.gate_proj(x)[:, 0]
+        entries[arange, torch.div(t, comp.rate, rounding_mode="floor")] = comp.decode_entry(raw_kv, raw_gate, t,
+                                                                                           rotary)
+
+
+def _unchosen(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """ids [..., k] of chosen entries (-1 = none) -> bool [..., n], True where not chosen."""
+    chosen = torch.zeros(*ids.shape[:-1], n + 1, dtype=torch.bool, device=ids.device)
+    chosen.scatter_(-1, torch.where(ids >= 0, ids, torch.full_like(ids, n)), True)
+    return ~chosen[..., :n]

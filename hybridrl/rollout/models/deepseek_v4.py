@@ -111,9 +111,10 @@ class V4DecoderLayer(nn.Module):
                   norm_eps=eps, dtype=dtype, device=device)
         self.attn_hc, self.ffn_hc = HyperConnection(**hc), HyperConnection(**hc)
 
-    def forward(self, streams, input_ids, positions, valid, rotary) -> torch.Tensor:
+    def forward(self, streams, input_ids, attend) -> torch.Tensor:
+        """``attend(self_attn, x)``: the attention call (full-sequence or decode)."""
         post, comb, x = self.attn_hc(streams)
-        streams = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, valid, rotary), streams)
+        streams = expand(post, comb, attend(self.self_attn, self.input_layernorm(x)), streams)
         post, comb, x = self.ffn_hc(streams)
         return expand(post, comb, self.mlp(self.post_attention_layernorm(x), input_ids), streams)
 
@@ -131,14 +132,32 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(dims.hc_mult, cfg.hidden_size, dims.hc_eps, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = V4Rotary(dims, max_seq_len, dtype, device)
 
-    def forward(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, S], valid [B, S] bool (right padding) -> hidden [B, S, hidden]."""
+    def forward(self, input_ids: torch.Tensor, valid: torch.Tensor, state=None, row_start: int = 0) -> torch.Tensor:
+        """input_ids [B, S], valid [B, S] bool (right padding) -> hidden [B, S, hidden]. With
+        ``state`` (a ``V4StateCache``) its rows [row_start, row_start + B) are filled (prefill)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.embed_tokens(input_ids)
-        streams = x.unsqueeze(2).expand(-1, -1, self.dims.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            streams = layer(streams, input_ids, positions, valid, self.rotary_emb)
+        lengths = valid.sum(dim=1)
+        rows = slice(row_start, row_start + input_ids.shape[0])
+        rot = self.rotary_emb
+        streams = self._streams(input_ids)
+        for i, layer in enumerate(self.layers):
+            layer_state = state.layers[i] if state is not None else None
+            streams = layer(streams, input_ids, lambda attn, x, s=layer_state: attn(x, positions, valid, rot, s, rows,
+                                                                                     lengths))
         return self.norm(self.hc_head(streams))
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
+        """tokens, positions [B] of rows [0, B) of ``state`` -> hidden [B, hidden]."""
+        ids = tokens.view(-1, 1)
+        rot = self.rotary_emb
+        streams = self._streams(ids)
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, ids, lambda attn, x, s=state.layers[i]: attn.decode(x, positions, rot, s))
+        return self.norm(self.hc_head(streams))[:, 0]
+
+    def _streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x.unsqueeze(2).expand(-1, -1, self.dims.hc_mult, -1).contiguous()
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -155,3 +174,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     def logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """[B, S] right-padded -> logits [B, S, V] float32."""
         return self.lm_head(self.model(input_ids, valid)).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
