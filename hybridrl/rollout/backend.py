@@ -150,7 +150,7 @@ def bucket_problems(routes, named_tensors: Iterable[tuple[str, torch.Tensor]], w
         shape = routes[name].shape
         if tuple(t.shape) != tuple(shape):
             bad.append(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
-        elif t.dtype not in TRAINER_DTYPES:
+        elif t.dtype not in TRAINER_DTYPES and not _same_integer_slot(routes[name], t):
             bad.append(f"{name} dtype {t.dtype} is not a trainer float dtype {TRAINER_DTYPES}")
         kept.append((name, t))
     return kept, {"unknown": unknown, "duplicate": dup, "mismatched": bad}
@@ -159,6 +159,13 @@ def bucket_problems(routes, named_tensors: Iterable[tuple[str, torch.Tensor]], w
 def describe_problems(problems: dict[str, Any]) -> str:
     """``unknown (2): a, b; duplicate (1): c`` of the non-empty kinds ("" if none)."""
     return "; ".join(f"{kind} ({len(v)}): {listing(v)}" for kind, v in problems.items() if v)
+
+
+def _same_integer_slot(route, t: torch.Tensor) -> bool:
+    """An integer table sent into an integer slot of the same dtype (DeepSeek-V4's frozen
+    ``tid2eid`` token -> expert map)."""
+    param = getattr(route, "param", None)
+    return param is not None and not t.dtype.is_floating_point and t.dtype == param.dtype
 
 
 def listing(items, limit: int = 8) -> str:

@@ -1,10 +1,7 @@
 """The DeepSeek-V4 part of a model config (transformers' ``DeepseekV4Config``), validated.
 
-Work in progress for issue #32 (``docs/design/deepseek_v4_plan.md``): the engine does not
-accept ``deepseek_v4`` yet — its per-request attention state (sliding ring, compressed
-entries, the compressors' partial windows) is not built, so ``parse_hf_config`` still
-refuses the model type. What exists is this parser and the stateless forward
-(``models/deepseek_v4.py``), tested against transformers.
+Issue #32 (``docs/design/deepseek_v4_plan.md``), in progress: the engine runs it
+(``models/deepseek_v4.py``, state in ``v4_state.py``) for unquantized rollout weights.
 
 :class:`V4Dims` holds what the V4 modules read; every inconsistency is one ``ValueError``
 naming the key. transformers ignores some fields (``num_key_value_heads``: one shared K=V
@@ -127,7 +124,7 @@ def parse_deepseek_v4(cfg: Any, raw: dict[str, Any] | None = None) -> V4Dims:
 
 
 def v4_model_config(cfg: Any, raw: dict[str, Any] | None = None):
-    """(``ModelConfig``, :class:`V4Dims`) of a ``DeepseekV4Config``."""
+    """The ``ModelConfig`` of a ``DeepseekV4Config`` (its ``v4`` field: :class:`V4Dims`)."""
     from hybridrl.rollout.model_config import ModelConfig
 
     dims = parse_deepseek_v4(cfg, raw)
@@ -139,5 +136,5 @@ def v4_model_config(cfg: Any, raw: dict[str, Any] | None = None):
         rms_norm_eps=float(cfg.rms_norm_eps), tie_word_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=False,
         o_bias=False, mlp_bias=False, qk_norm=False, num_experts=cfg.n_routed_experts,
         num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
-        norm_topk_prob=True, moe_layers=tuple(range(n)))
-    return model, dims
+        norm_topk_prob=True, moe_layers=tuple(range(n)), v4=dims)
+    return model

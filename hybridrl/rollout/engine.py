@@ -65,8 +65,15 @@ class RolloutEngine(WeightUpdateBracket):
         self.dtype, self.device = spec.dtype, resolve_device(spec.device)
         self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
-        self.model = DecoderForCausalLM(self.config, get_linear_method(spec.quantization), self.max_seq_len,
-                                        self.dtype, self.device)
+        if self.config.v4 is not None:
+            from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+            check_v4_engine(spec.quantization, record_routing)
+            self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(None), self.max_seq_len,
+                                               self.dtype, self.device)
+        else:
+            self.model = DecoderForCausalLM(self.config, get_linear_method(spec.quantization), self.max_seq_len,
+                                            self.dtype, self.device)
         # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
         self.runner = ModelRunner(self.model, self.max_batch_size, self.max_seq_len, self.dtype, self.device,
                                   compile_decode)
@@ -80,7 +87,7 @@ class RolloutEngine(WeightUpdateBracket):
         self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
         self._update = WeightUpdate(self.model, self.weight_routes)
         self._weight_version = 0  # written only by _commit_weight_update
-        self._use_graphs = self.device.type == "cuda" and not enforce_eager
+        self._use_graphs = self.device.type == "cuda" and not enforce_eager and self.config.v4 is None
         self.scheduler = Scheduler(self.runner, self.config.vocab_size, lambda: self._weight_version,
                                    max_prefill_tokens=max_prefill_tokens,
                                    prefix_cache_bytes=prefix_cache_bytes, kv_on_refit=kv_on_refit)
@@ -223,6 +230,15 @@ class RolloutEngine(WeightUpdateBracket):
                     outputs[r.request_id] = r
         return outputs
 
+
+
+def check_v4_engine(quantization: str | None, record_routing: bool) -> None:
+    """What the DeepSeek-V4 engine does not do yet (issue #32), refused in one line."""
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} is not supported for deepseek_v4 yet (unquantized "
+                         "rollout weights only); use quantization=None")
+    if record_routing:
+        raise ValueError("routing record is not supported for deepseek_v4 yet; set rollout.routing_replay=false")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridrl.rollout.deepseek_config import GroupedRouter, MlaDims
+    from hybridrl.rollout.deepseek_v4_config import V4Dims
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -57,6 +58,8 @@ class ModelConfig:
     """multi-head latent attention dimensions (``deepseek_config.py``)."""
     router: "GroupedRouter | None" = None
     """DeepSeekMoE's sigmoid, group-limited router (``deepseek_config.py``)."""
+    v4: "V4Dims | None" = None
+    """DeepSeek-V4's dimensions (``deepseek_v4_config.py``); its state cache is ``v4_state.py``."""
 
     def is_moe_layer(self, idx: int) -> bool:
         return idx in self.moe_layers
@@ -106,6 +109,10 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
         from hybridrl.rollout.deepseek_config import parse_deepseek_v3
 
         return parse_deepseek_v3(cfg, ModelConfig)
+    if model_type == "deepseek_v4":
+        from hybridrl.rollout.deepseek_v4_config import v4_model_config
+
+        return v4_model_config(cfg)
     if _get(cfg, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by the rollout engine; set it to False")
     hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
@@ -159,4 +166,9 @@ def kv_bytes_per_token(hf_config: Any, element_size: int) -> int:
     """KV-cache bytes one token takes in the built-in engine (every layer): ``kv_layout``'s
     widths — 2 x KV heads x head_dim for GQA, ``kv_lora_rank + qk_rope_head_dim`` for MLA."""
     cfg = parse_hf_config(hf_config)
+    if cfg.v4 is not None:  # what grows with context: the compressed entries (v4_state.py)
+        d = cfg.v4
+        per = {"compressed_sparse_attention": (d.head_dim + d.index_head_dim) / d.csa_rate,
+               "heavily_compressed_attention": d.head_dim / d.hca_rate}
+        return int(round(sum(per.get(t, 0.0) for t in d.layer_types) * element_size))
     return cfg.num_layers * sum(heads * width for _, heads, width in cfg.kv_layout) * element_size

@@ -21,7 +21,13 @@ class ModelRunner:
                  device: torch.device, compile_decode: bool = False):
         self.model, self.device = model, device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.kv_cache = KVCache(model.config, max_batch_size, max_seq_len, dtype, device)
+        self.v4 = model.config.v4 is not None  # DeepSeek-V4: its own state and forward (models/deepseek_v4.py)
+        if self.v4:
+            from hybridrl.rollout.v4_state import V4StateCache
+
+            self.kv_cache = V4StateCache(model.config.v4, max_batch_size, max_seq_len, dtype, device)
+        else:
+            self.kv_cache = KVCache(model.config, max_batch_size, max_seq_len, dtype, device)
         self.rows = torch.arange(max_batch_size, device=device)  # decode cache rows, static
         self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
         self.graphs: CudaGraphRunner | None = None
@@ -47,6 +53,10 @@ class ModelRunner:
         Writes the prompts' k/v into cache rows [row_start, row_start + B), slots [0, S).
         """
         B, S = input_ids.shape
+        if self.v4:
+            valid = self.slot_ids[:S].view(1, S) < lengths.view(B, 1)
+            hidden = self.model.model(input_ids, valid, self.kv_cache, row_start)
+            return self.model.compute_logits(hidden[self.rows[:B], lengths - 1]).float()
         positions = self.slot_ids[:S].expand(B, S)
         cos, sin = self.model.model.rotary_emb.tables(positions)
         ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, row_start=row_start)
@@ -65,6 +75,8 @@ class ModelRunner:
         there is overwritten before any valid query reads it.
         """
         B, C = input_ids.shape
+        if self.v4:  # unreachable: V4 rows are never retained (v4_state.py), so nothing extends
+            raise RuntimeError("extend: the DeepSeek-V4 state cannot continue a retained prefix")
         positions = (starts.view(B, 1) + self.slot_ids[:C].view(1, C)).clamp_(max=self.max_seq_len - 1)
         T = int((starts + lengths).max())
         mask = (self.slot_ids[:T].view(1, 1, T) <= positions.view(B, C, 1)).view(B, 1, C, T)
@@ -96,6 +108,8 @@ class ModelRunner:
                      aligned: bool = False) -> torch.Tensor:
         """The decode step itself; also what the CUDA graphs capture (with kv_len = max_seq_len)."""
         B = tokens.shape[0]
+        if self.v4:
+            return self.model.compute_logits(self.model.model.decode(tokens, positions.view(B), self.kv_cache)).float()
         pos = positions.view(B, 1)
         cos, sin = self.model.model.rotary_emb.tables(pos)
         slot = kv_len - 1 if aligned else None
@@ -124,6 +138,10 @@ class ModelRunner:
         """
         B, S = input_ids.shape
         mask = attention_mask.to(torch.bool)
+        if self.v4:  # V4's compressors cut windows from position 0: move each row's tokens there
+            order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid tokens first, in order
+            packed = self.model.logits(input_ids.gather(1, order), mask.gather(1, order))
+            return torch.empty_like(packed).scatter_(1, order.unsqueeze(-1).expand_as(packed), packed)
         right_padded = bool((mask.long().cumsum(-1) == torch.arange(1, S + 1, device=mask.device)).eq(mask).all())
         if right_padded:
             positions, attn_mask = self.slot_ids[:S].expand(B, S), None

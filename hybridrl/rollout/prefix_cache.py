@@ -87,6 +87,11 @@ class PrefixCache:
             self.bytes -= entry.nbytes
         return entry is not None
 
+    def decline(self, request_id: str) -> None:
+        """Not kept (the engine's state cannot be retained): a continuation of it recomputes."""
+        self.drop(request_id)
+        self._forget(request_id)
+
     def clear(self) -> None:
         for request_id in list(self.entries):
             self.drop(request_id)

@@ -145,6 +145,9 @@ class Scheduler:
         self.batch.remove(rows, self.kv_cache, self.recorder)
 
     def _retain(self, row: int, s: Sequence, fed: int, routing: torch.Tensor | None) -> None:
+        if not getattr(self.kv_cache, "retainable", True):  # DeepSeek-V4's state cannot be rewound
+            self.prefixes.decline(s.request_id)
+            return
         kv = self.kv_cache.read_row(row, fed)
         self.prefixes.put(s.request_id, PrefixEntry(s.fed_tokens[:fed], kv,
                                                     routing[:fed].to(kv[0].device) if routing is not None else None,

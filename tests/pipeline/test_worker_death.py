@@ -19,15 +19,19 @@ from hybridrl.pipeline.producers import ProducerError
 
 
 def _kill_first_worker_mid_run(monkeypatch) -> list:
-    """SIGKILL the first rollout worker process a random moment after it got its first requests."""
+    """SIGKILL the first rollout worker process a random moment (0-50 ms) after its second
+    admission: work it was just given is outstanding then, so the kill lands mid-run whatever
+    the machine's speed (a fixed delay after the first admission could fall after a fast run)."""
     started: list = []
+    calls: list = []
     original = producers.RemoteProducer.submit
 
     def submit(self, requests):
         original(self, requests)
-        if not started:
+        calls.append(self)
+        if len(calls) == 2 and not started:
             started.append(self)
-            delay = random.Random().uniform(0.05, 0.5)
+            delay = random.Random().uniform(0.0, 0.05)
             threading.Timer(delay, os.kill, (self.process.pid, signal.SIGKILL)).start()
 
     monkeypatch.setattr(producers.RemoteProducer, "submit", submit)

@@ -95,8 +95,8 @@ def indexer_margin(hf, ids) -> float:
 
 
 def engine_model(hf, cfg, max_seq_len=256):
-    model_cfg, dims = v4_model_config(cfg)
-    model = DeepseekV4ForCausalLM(model_cfg, dims, UnquantizedLinearMethod(), max_seq_len, torch.float32,
+    model_cfg = v4_model_config(cfg)
+    model = DeepseekV4ForCausalLM(model_cfg, model_cfg.v4, UnquantizedLinearMethod(), max_seq_len, torch.float32,
                                   torch.device("cpu"))
     update = WeightUpdate(model, WeightRoutes(model))
     update.begin()
