@@ -68,7 +68,7 @@ class RolloutEngine(WeightUpdateBracket):
         if self.config.v4 is not None:
             from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-            check_v4_engine(spec.quantization, record_routing)
+            check_v4_engine(self.config.v4, spec.quantization, record_routing, self.max_seq_len)
             self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(None), self.max_seq_len,
                                                self.dtype, self.device)
         else:
@@ -232,8 +232,14 @@ class RolloutEngine(WeightUpdateBracket):
 
 
 
-def check_v4_engine(quantization: str | None, record_routing: bool) -> None:
-    """What the DeepSeek-V4 engine does not do yet (issue #32), refused in one line."""
+def check_v4_engine(dims, quantization: str | None, record_routing: bool, max_seq_len: int) -> None:
+    """What the DeepSeek-V4 engine cannot hold or does not do yet (issue #32), refused in one line."""
+    for key, value in (("sliding_window", dims.sliding_window), ("compress_rates.compressed_sparse_attention",
+                                                                   dims.csa_rate),
+                       ("compress_rates.heavily_compressed_attention", dims.hca_rate)):
+        if value > max_seq_len:
+            raise ValueError(f"deepseek_v4 config: {key}={value} exceeds the engine's max_seq_len={max_seq_len}; "
+                             "raise max_seq_len or lower it")
     if quantization is not None:
         raise ValueError(f"quantization={quantization!r} is not supported for deepseek_v4 yet (unquantized "
                          "rollout weights only); use quantization=None")

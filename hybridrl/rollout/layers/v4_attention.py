@@ -122,8 +122,8 @@ class _Compressor(nn.Module):
         m, D = self.rate, self.width
         n = S // m
         raw_kv, raw_gate = self.kv_proj(x), self.gate_proj(x)
-        kv = raw_kv[:, :n * m].reshape(B, n, m, -1)
-        gate = raw_gate[:, :n * m].reshape(B, n, m, -1) + self.position_bias
+        kv = raw_kv[:, :n * m].reshape(B, n, m, raw_kv.shape[-1])
+        gate = raw_gate[:, :n * m].reshape(B, n, m, raw_gate.shape[-1]) + self.position_bias
         if self.overlap:  # slots [0, m): window w-1's first half; [m, 2m): window w's second half
             kv2 = kv.new_zeros(B, n, 2 * m, D)
             gate2 = gate.new_full((B, n, 2 * m, D), float("-inf"))

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's stateless forward (issue #32, in progress) vs transformers' DeepseekV4ForCausalLM.
+"""DeepSeek-V4 (issue #32, in progress) in the rollout engine vs transformers' DeepseekV4ForCausalLM.
 
 Configs drawn fresh per run (seed in the failure message): every layer type (sliding, CSA,
 HCA), both routers (hash, top-k), hc_mult 2-4, sqrtsoftplus or sigmoid scoring, default or
@@ -149,3 +149,130 @@ def test_a_layer_types_list_transformers_would_truncate_is_refused():
     raw = {"layer_types": TYPES + ["sliding_attention"]}  # config.json with 4 entries for 3 layers
     with pytest.raises(ValueError, match=r"layer_types=.*must have num_hidden_layers=3 entries"):
         v4_model_config(cfg, raw)
+
+
+# ---- the engine: state cache, scheduler, refit ---------------------------------------------
+def _engine(cfg, hf=None, **spec):
+    from hybridrl.rollout import EngineSpec, RolloutEngine
+
+    eng = RolloutEngine(cfg, EngineSpec(**{"max_batch_size": 3, "max_seq_len": 128, "dtype": torch.float32, **spec}))
+    if hf is not None:
+        eng.load_weights(named_trainer_tensors(hf))
+    return eng
+
+
+def _greedy_reference(hf, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def _drawn(seed):
+    rng = random.Random(seed)
+    for attempt in range(6):
+        cfg = draw_config(rng)
+        hf = hf_model(cfg, seed % 1000 + attempt)
+        if indexer_margin(hf, torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(seed))) > 1e-4:
+            return cfg, hf
+    return cfg, hf
+
+
+@pytest.mark.parametrize("draw", range(2))
+def test_engine_greedy_and_logprobs_through_the_scheduler_match_transformers(draw):
+    """5 prompts through 3 rows (rows refilled and compacted as requests finish), decoding past
+    the window and several compression windows from the per-request state."""
+    from hybridrl.rollout import SamplingParams
+
+    seed = fresh_seed()
+    cfg, hf = _drawn(seed)
+    eng = _engine(cfg, hf)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(5, 45, (5,), generator=g)]
+    out = eng.generate(prompts, [SamplingParams(max_tokens=int(n), temperature=0.0) for n in (24, 9, 30, 16, 24)])
+    for i, p in enumerate(prompts):
+        assert out.response_token_ids[i] == _greedy_reference(hf, p, len(out.response_token_ids[i])), f"seed {seed} {i}"
+    with torch.no_grad():  # the engine's no-cache logits (left-aligned internally) == its sampling log-probs
+        lp = torch.log_softmax(hf(input_ids=out.input_ids[:1]).logits, -1)
+    sampled = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=1.0, seed=7))
+    with torch.no_grad():
+        for b in range(len(prompts)):
+            n = int(sampled.attention_mask[b].sum())
+            ref = torch.log_softmax(hf(input_ids=sampled.input_ids[b:b + 1, :n]).logits[0], -1)
+            want = ref[:-1].gather(-1, sampled.input_ids[b, 1:n, None])[:, 0]
+            resp = sampled.response_mask[b, 1:n].bool()
+            err = float((want[resp] - sampled.logprobs[b, 1:n][resp]).abs().max())
+            assert err < 1e-4, f"seed {seed} row {b}: {err:.2e}"
+
+
+def test_engine_logits_with_left_padding_and_continuations_recompute():
+    from hybridrl.rollout import SamplingParams
+
+    cfg, hf = _drawn(11)
+    eng = _engine(cfg, hf)
+    ids = torch.randint(0, VOCAB, (2, 60))
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0  # left padded
+    got = eng.logits(ids, mask)
+    with torch.no_grad():
+        ref = hf(input_ids=ids[1:, 23:]).logits[0]
+    torch.testing.assert_close(got[1, 23:], ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
+    prompt = torch.randint(0, VOCAB, (30,)).tolist()
+    eng.add_request("t1", prompt, SamplingParams(max_tokens=8, temperature=0.0), retain=True)
+    first = eng.run_until_finished(["t1"])["t1"]
+    turn = prompt + first.token_ids + [5, 6, 7]
+    eng.add_request("t2", turn, SamplingParams(max_tokens=10, temperature=0.0), parent="t1")
+    assert eng.run_until_finished(["t2"])["t2"].token_ids == _greedy_reference(hf, turn, 10)
+    assert eng.scheduler.prefixes.hits == 0  # V4's state is not retained: the continuation was recomputed
+
+
+def test_refit_a_to_b_equals_a_fresh_load_of_b_and_a_refit_mid_answer_recomputes_the_state():
+    from hybridrl.refit import refit_from_model
+    from hybridrl.rollout import SamplingParams
+
+    cfg, hf_a = _drawn(12)
+    hf_b = hf_model(cfg, 99)
+    refitted = _engine(cfg, hf_a)
+    before = {n: t.data_ptr() for n, t in refitted.named_state_tensors()}
+    refit_from_model(refitted, hf_b, verify=True)
+    fresh = _engine(cfg, hf_b)
+    state = dict(refitted.named_state_tensors())
+    assert {n: t.data_ptr() for n, t in state.items()} == before
+    for name, t in fresh.named_state_tensors():
+        if not name.startswith("kv_cache"):
+            assert torch.equal(state[name], t), name
+    prompt = torch.randint(0, VOCAB, (26,)).tolist()
+    eng = _engine(cfg, hf_a)
+    eng.add_request("r", prompt, SamplingParams(max_tokens=14, temperature=0.0))
+    for _ in range(6):
+        eng.step()
+    refit_from_model(eng, hf_b, verify=True)  # kv_on_refit=recompute: the state is rebuilt under B
+    out = eng.run_until_finished(["r"])["r"]
+    seq = torch.tensor([prompt + out.token_ids])
+    for model, version in ((hf_a, 1), (hf_b, 2)):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=seq).logits, -1)[0, len(prompt) - 1:-1]
+        ref = lp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        idx = [i for i, v in enumerate(out.token_versions) if v == version]
+        assert idx, version
+        torch.testing.assert_close(torch.tensor(out.logprobs)[idx], ref[idx], rtol=0, atol=1e-4)
+
+
+def test_state_bytes_and_what_the_v4_engine_refuses():
+    cfg, _ = _drawn(13)
+    eng = _engine(cfg, max_seq_len=512)
+    cache = eng.runner.kv_cache
+    d = cfg.head_dim
+    n_csa = cfg.layer_types.count("compressed_sparse_attention")
+    n_hca = cfg.layer_types.count("heavily_compressed_attention")
+    rates = cfg.compress_rates
+    want = (n_csa * (d + cfg.index_head_dim) / rates["compressed_sparse_attention"]
+            + n_hca * d / rates["heavily_compressed_attention"]) * 4
+    assert cache.bytes_per_token == round(want)
+    assert cache.bytes_at(4096) < 2 * cfg.num_hidden_layers * d * 4 * 4096  # vs full attention's k + v
+    for kw, match in ((dict(quantization="fp8"), "quantization='fp8' is not supported for deepseek_v4"),
+                      (dict(max_seq_len=4), "exceeds the engine's max_seq_len=4")):
+        with pytest.raises(ValueError, match=match) as err:
+            _engine(cfg, **kw)
+        assert "\n" not in str(err.value)
