@@ -68,9 +68,9 @@ class RolloutEngine(WeightUpdateBracket):
         if self.config.v4 is not None:
             from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-            check_v4_engine(self.config.v4, spec.quantization, record_routing, self.max_seq_len)
-            self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(None), self.max_seq_len,
-                                               self.dtype, self.device)
+            check_v4_engine(self.config.v4, record_routing, self.max_seq_len)
+            self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(spec.quantization),
+                                               self.max_seq_len, self.dtype, self.device)
         else:
             self.model = DecoderForCausalLM(self.config, get_linear_method(spec.quantization), self.max_seq_len,
                                             self.dtype, self.device)
@@ -232,7 +232,7 @@ class RolloutEngine(WeightUpdateBracket):
 
 
 
-def check_v4_engine(dims, quantization: str | None, record_routing: bool, max_seq_len: int) -> None:
+def check_v4_engine(dims, record_routing: bool, max_seq_len: int) -> None:
     """What the DeepSeek-V4 engine cannot hold or does not do yet (issue #32), refused in one line."""
     for key, value in (("sliding_window", dims.sliding_window), ("compress_rates.compressed_sparse_attention",
                                                                    dims.csa_rate),
@@ -240,9 +240,6 @@ def check_v4_engine(dims, quantization: str | None, record_routing: bool, max_se
         if value > max_seq_len:
             raise ValueError(f"deepseek_v4 config: {key}={value} exceeds the engine's max_seq_len={max_seq_len}; "
                              "raise max_seq_len or lower it")
-    if quantization is not None:
-        raise ValueError(f"quantization={quantization!r} is not supported for deepseek_v4 yet (unquantized "
-                         "rollout weights only); use quantization=None")
     if record_routing:
         raise ValueError("routing record is not supported for deepseek_v4 yet; set rollout.routing_replay=false")
 

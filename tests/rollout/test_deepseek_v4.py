@@ -259,6 +259,73 @@ def test_refit_a_to_b_equals_a_fresh_load_of_b_and_a_refit_mid_answer_recomputes
         torch.testing.assert_close(torch.tensor(out.logprobs)[idx], ref[idx], rtol=0, atol=1e-4)
 
 
+def _quant_config(**kw):
+    # fp8_block needs the fused shared-expert gate/up in whole 128-row tiles; mxfp4 K % 32
+    return draw_config(random.Random(3), moe_intermediate_size=128, num_hidden_layers=3, layer_types=TYPES,
+                       mlp_layer_types=["hash_moe", "moe", "moe"], **kw)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "fp8_block", "fp8_block+mxfp4"])
+def test_quantized_refit_a_to_b_is_bitwise_a_fresh_load_of_b(quantization):
+    """Including the grouped o_a_proj's dequantized cache — seed PR #7455's bf16 wo_a copy."""
+    from hybridrl.refit import refit_from_model
+    from hybridrl.rollout import SamplingParams
+
+    cfg = _quant_config()
+    hf_a, hf_b = hf_model(cfg, 21), hf_model(cfg, 22)
+    refitted = _engine(cfg, hf_a, quantization=quantization)
+    before = {n: t.data_ptr() for n, t in refitted.named_state_tensors()}
+    refit_from_model(refitted, hf_b, verify=True)
+    fresh = _engine(cfg, hf_b, quantization=quantization)
+    state = dict(refitted.named_state_tensors())
+    assert {n: t.data_ptr() for n, t in state.items()} == before
+    for name, t in fresh.named_state_tensors():
+        if not name.startswith("kv_cache"):
+            assert torch.equal(state[name], t), name
+    if quantization:
+        assert any(n.endswith("o_a_proj.weight_dequant") for n, _ in refitted.named_derived_caches())
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (12, 40)]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    a, b = refitted.generate(prompts, params), fresh.generate(prompts, params)
+    assert a.response_token_ids == b.response_token_ids and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_the_seed_prs_two_failure_modes_are_caught(monkeypatch):
+    """Seed PR #7455: (1) the wo_a copy dropped and rebuilt lazily in new storage — a captured
+    graph would read freed memory; (2) rebuilt before the FP8 weights are back in inference
+    layout. Ours refuses both: (1) a rebinding fails the refresh (and the address check),
+    a skipped refresh fails the verifier; (2) the refresh refuses while the layout is restored."""
+    from hybridrl.refit import RefitError, refit_from_model
+    from hybridrl.rollout.derived import DerivedCacheError
+    from hybridrl.rollout.layers import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "FNUZ_DEFAULT", True)  # a loading != inference layout, as on ROCm
+    cfg = _quant_config()
+    eng = _engine(cfg, hf_model(cfg, 23), quantization="fp8_block")
+    name, cache = next((n, c) for n, c in eng.named_derived_caches() if n.endswith("o_a_proj.weight_dequant"))
+    layer = cache.module
+    # (1a) drop and rebuild in new storage
+    layer.register_buffer("weight_dequant", torch.empty_like(cache.tensor), persistent=False)
+    with pytest.raises(DerivedCacheError, match="rebound to new storage"):
+        refit_from_model(eng, hf_model(cfg, 24), verify=True)
+    layer.register_buffer("weight_dequant", torch.empty(0), persistent=False)
+    eng2 = _engine(cfg, hf_model(cfg, 23), quantization="fp8_block")
+    cache2 = next(c for n, c in eng2.named_derived_caches() if n == name)
+    # (1b) the refresh skipped: the verifier sees the stale copy
+    monkeypatch.setattr(cache2, "refresh", lambda: None)
+    with pytest.raises(RefitError, match=r"stale derived caches.*o_a_proj"):
+        refit_from_model(eng2, hf_model(cfg, 24), verify=True)
+    monkeypatch.undo()
+    monkeypatch.setattr(fp8_linear, "FNUZ_DEFAULT", True)
+    eng3 = _engine(cfg, hf_model(cfg, 23), quantization="fp8_block")
+    cache3 = next(c for n, c in eng3.named_derived_caches() if n == name)
+    # (2) refreshed while the FP8 weights are in loading layout
+    eng3.begin_weight_update()
+    with pytest.raises(DerivedCacheError, match="not in inference layout"):
+        cache3.refresh()
+    eng3.abort_weight_update()
+
+
 def test_state_bytes_and_what_the_v4_engine_refuses():
     cfg, _ = _drawn(13)
     eng = _engine(cfg, max_seq_len=512)
@@ -271,8 +338,7 @@ def test_state_bytes_and_what_the_v4_engine_refuses():
             + n_hca * d / rates["heavily_compressed_attention"]) * 4
     assert cache.bytes_per_token == round(want)
     assert cache.bytes_at(4096) < 2 * cfg.num_hidden_layers * d * 4 * 4096  # vs full attention's k + v
-    for kw, match in ((dict(quantization="fp8"), "quantization='fp8' is not supported for deepseek_v4"),
-                      (dict(max_seq_len=4), "exceeds the engine's max_seq_len=4")):
+    for kw, match in ((dict(max_seq_len=4), "exceeds the engine's max_seq_len=4"),):
         with pytest.raises(ValueError, match=match) as err:
             _engine(cfg, **kw)
         assert "\n" not in str(err.value)

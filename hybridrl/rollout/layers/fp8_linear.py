@@ -100,7 +100,10 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def _scaled_mm_ok(self, layer, dtype, device) -> bool:
         device = torch.device(device)
-        return (device.type == "cuda" and torch.version.hip is None and not self.block
+        # a layer that reads its whole weight as a tensor (DeepSeek-V4's grouped o_a_proj: a
+        # bmm over per-group blocks) needs the dequantized cache: it is the seed PR's bf16 wo_a copy
+        return (not getattr(layer, "needs_dense_weight", False)
+                and device.type == "cuda" and torch.version.hip is None and not self.block
                 and dtype == torch.bfloat16  # rowwise-scaled _scaled_mm outputs bf16
                 and not self.fnuz and layer.output_size % SCALED_MM_MULTIPLE == 0
                 and layer.input_size % SCALED_MM_MULTIPLE == 0

@@ -69,7 +69,14 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 class GroupedLinear(LinearBase):
     """``o_a_proj``: ``G`` groups of ``K`` inputs each projected to ``r`` outputs (the HF
-    weight ``[G * r, K]``, one block per group). x ``[..., G, K]`` -> ``[..., G, r]``."""
+    weight ``[G * r, K]``, one block per group). x ``[..., G, K]`` -> ``[..., G, r]``.
+
+    Under FP8 the matmul reads the layer's dequantized ``weight_dequant`` — a registered
+    derived cache, so this is exactly seed PR #7455's bf16 ``wo_a`` copy: preallocated once,
+    refreshed in place by every weight update after every FP8 layer is back in inference
+    layout (refused before), checked by the refit verifier, never dropped and rebuilt."""
+
+    needs_dense_weight = True  # fp8_linear: keep the dequantized cache even where _scaled_mm could run
 
     def __init__(self, in_per_group: int, out_features: int, n_groups: int, **kw):
         self.n_groups = n_groups
