@@ -17,14 +17,15 @@ from hybridrl.config.base import ConfigError, _f, check_number
 MAX_RESPONSE_TOKENS = 1 << 17  # beyond any model's context today; a typo guard, not a model limit
 
 
-BUILTIN_ARCHS = ("qwen2", "deepseek_v3")
+BUILTIN_ARCHS = ("qwen2", "deepseek_v3", "deepseek_v4")
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str | None = _f(None, "local Hugging Face checkpoint dir (model + tokenizer); None = built-in tiny model")
     arch: str = _f("qwen2", "built-in model's family: qwen2 (GQA, dense) | deepseek_v3 (multi-head latent "
-                            "attention + DeepSeekMoE, the DeepSeek-V3/R1, Kimi-K2 architecture)")
+                            "attention + DeepSeekMoE, the DeepSeek-V3/R1, Kimi-K2 architecture) | deepseek_v4 "
+                            "(compressed sparse attention, hyper-connections; rollout routing replay not yet)")
     hidden_size: int = _f(128, "built-in model: hidden size")
     num_hidden_layers: int = _f(2, "built-in model: decoder layers")
     num_attention_heads: int = _f(4, "built-in model: attention heads")

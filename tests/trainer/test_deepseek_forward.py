@@ -53,3 +53,29 @@ def test_sigmoid_balance_loss_by_hand():
     want /= len(logits)
     got = sigmoid_balance_loss(hf, logits)
     assert abs(float(got) - want) < 1e-5
+
+
+def test_deepseek_v4_trainer_logprobs_equal_engine_logprobs_and_packing_is_refused():
+    """V4 cannot run packed (its compressors cut windows from each row's start): 'auto' picks
+    right-aligned buckets, exact; asking for varlen is one line."""
+    import random
+
+    from hybridrl.refit.transport import named_trainer_tensors
+    from hybridrl.rollout import EngineSpec, RolloutEngine
+    from tests.rollout.test_deepseek_v4 import _drawn
+
+    cfg, hf = _drawn(31)
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=96, dtype=torch.float32))
+    eng.load_weights(named_trainer_tensors(hf))
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in random.Random(0).sample(range(5, 40), 4)]
+    out = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=2))
+    with torch.no_grad():
+        lp, _ = compute_logprobs_entropy(hf, out.input_ids, out.attention_mask, out.response_mask,
+                                         options=ForwardOptions(vocab_chunk_tokens=7))
+    m = out.response_mask.bool()
+    m[:, 0] = False
+    assert (lp[m] - out.logprobs[m]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="attn_backend='varlen' is wrong for deepseek_v4") as err:
+        compute_logprobs_entropy(hf, out.input_ids, out.attention_mask, out.response_mask,
+                                 options=ForwardOptions(attn_backend="varlen"))
+    assert "\n" not in str(err.value)

@@ -111,3 +111,14 @@ def test_what_vllm_cpu_cannot_serve_fails_at_construction(kw, match):
     with pytest.raises(ValueError, match=match) as err:
         VllmEngine(dense_deepseek(**kw), EngineSpec(max_batch_size=2, max_seq_len=16))
     assert "\n" not in str(err.value)
+
+
+def test_deepseek_v4_is_refused_in_one_line():
+    from hybridrl.vllm_backend import VllmEngine
+
+    cfg = transformers.DeepseekV4Config(vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                        head_dim=32, q_lora_rank=16, o_lora_rank=16, moe_intermediate_size=32,
+                                        n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="deepseek_v4 is not served by the vLLM backend") as err:
+        VllmEngine(cfg, EngineSpec(max_batch_size=2, max_seq_len=16))
+    assert "\n" not in str(err.value)
