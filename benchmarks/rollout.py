@@ -47,7 +47,9 @@ Cases:
 - DeepSeek-V3's MLA (issue #31, ``_mla.py``): KV bytes per token from the engines' own
   allocations vs a Qwen2 engine of the same width (MHA and 4:1 GQA), latent-space decode vs
   decompress-then-attend at 1k and 4k context, decompressed vs absorbed prefill, and vs HF
-  ``generate`` on the same tiny config.
+  ``generate`` on the same tiny config;
+- DeepSeek-V4 (issue #32, ``_v4.py``): the engine's state bytes per token at 4k and 32k
+  context vs a full-attention cache of the same head dim, and decode vs HF ``generate``.
 
 ``--quick`` runs fewer batches and tokens. vLLM is optional: without it (``import vllm``
 fails) its rows are skipped with one printed line.
@@ -67,6 +69,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _continuous  # noqa: E402
 import _mla  # noqa: E402
+import _v4  # noqa: E402
 from _common import (SMALL, VLLM, VLLM_PLAIN, PlainVllm, best_interleaved, format_table, goal_line,  # noqa: E402
                      interleaved_times, median, moe_model, parse_args, report, rl_job, row, speedup, start_vllm,
                      vllm_name, vllm_unavailable, warm)
@@ -315,6 +318,9 @@ def main() -> None:
     mla_rows = _mla.bench_mla(dtype, args.quick)
     print(format_table(mla_rows), flush=True)
     rows += mla_rows
+    v4_rows = _v4.bench_v4(dtype, args.quick)
+    print(format_table(v4_rows), flush=True)
+    rows += v4_rows
     print(f"\nthreads={torch.get_num_threads()} dtype={args.dtype}, {time.perf_counter() - t0:.0f} s")
     report(rows, args.json)
     if not no_vllm:

@@ -327,6 +327,8 @@ def test_the_seed_prs_two_failure_modes_are_caught(monkeypatch):
 
 
 def test_state_bytes_and_what_the_v4_engine_refuses():
+    from hybridrl.rollout import SamplingParams as SamplingParams_
+
     cfg, _ = _drawn(13)
     eng = _engine(cfg, max_seq_len=512)
     cache = eng.runner.kv_cache
@@ -338,7 +340,10 @@ def test_state_bytes_and_what_the_v4_engine_refuses():
             + n_hca * d / rates["heavily_compressed_attention"]) * 4
     assert cache.bytes_per_token == round(want)
     assert cache.bytes_at(4096) < 2 * cfg.num_hidden_layers * d * 4 * 4096  # vs full attention's k + v
-    for kw, match in ((dict(max_seq_len=4), "exceeds the engine's max_seq_len=4"),):
-        with pytest.raises(ValueError, match=match) as err:
-            _engine(cfg, **kw)
-        assert "\n" not in str(err.value)
+    from hybridrl.rollout import EngineSpec, RolloutEngine
+
+    with pytest.raises(ValueError, match="routing record is not supported for deepseek_v4") as err:
+        RolloutEngine(cfg, EngineSpec(max_batch_size=1, max_seq_len=64), record_routing=True)
+    assert "\n" not in str(err.value)
+    short = _engine(cfg, hf_model(cfg, 5), max_seq_len=cfg.sliding_window // 2 + 4)  # any window fits the rings
+    assert short.generate([[3, 4, 5]], SamplingParams_(max_tokens=2)).response_token_ids
