@@ -386,3 +386,28 @@ def interleaved_times(fns: list, repeats: int, warmup: int = 1) -> list[list[flo
             fn()
             times[i].append(time.perf_counter() - t0)
     return times
+
+
+def engine_vs_hf_generate(name: str, hf, dtype, batch: int, new_tokens: int, repeats: int, *, prompt_len: int,
+                          baseline_name: str = "hf generate (dynamic cache)") -> list[dict]:
+    """tokens/s of our engine vs transformers ``generate`` on ``hf``: ``batch`` prompts of
+    ``prompt_len`` tokens, every row ``new_tokens`` (temperature 1, no stop), interleaved."""
+    import torch
+
+    from hybridrl.refit.transport import named_trainer_tensors
+    from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=batch, max_seq_len=prompt_len + new_tokens,
+                                                 dtype=dtype))
+    engine.load_weights(named_trainer_tensors(hf))
+    prompts = torch.randint(0, hf.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0)
+    with torch.inference_mode():
+        ours, theirs = interleaved_times([
+            lambda: engine.generate(prompts.tolist(), params),
+            lambda: hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+                                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                eos_token_id=None, pad_token_id=0)], repeats)
+    tokens = batch * new_tokens
+    return [row(case=f"{name} b={batch} T={new_tokens}", metric="tokens/s", ours=tokens / min(ours),
+                baseline=tokens / min(theirs), baseline_name=baseline_name, higher_is_better=True)]

@@ -20,7 +20,7 @@ import time
 
 import torch
 import transformers
-from _common import interleaved_times, row
+from _common import engine_vs_hf_generate, interleaved_times, row
 
 from hybridrl.refit.transport import named_trainer_tensors
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
@@ -112,19 +112,8 @@ def prefill_rows(hf, dtype, context: int, batch: int, repeats: int) -> list[dict
                 baseline_name="ours, absorbed (latent-space) prefill", higher_is_better=True)]
 
 
-def hf_rows(hf, dtype, batch: int, new_tokens: int, repeats: int, prompt_len: int = 32) -> list[dict]:
-    engine = _engine(hf, batch, prompt_len + new_tokens, dtype)
-    prompts = torch.randint(0, hf.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
-    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0)
-    with torch.inference_mode():
-        ours, theirs = interleaved_times([
-            lambda: engine.generate(prompts.tolist(), params),
-            lambda: hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
-                                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                eos_token_id=None, pad_token_id=0)], repeats)
-    tokens = batch * new_tokens
-    return [row(case=f"deepseek_v3 b={batch} T={new_tokens}", metric="tokens/s", ours=tokens / min(ours),
-                baseline=tokens / min(theirs), baseline_name="hf generate (dynamic cache)", higher_is_better=True)]
+def hf_rows(hf, dtype, batch: int, new_tokens: int, repeats: int) -> list[dict]:
+    return engine_vs_hf_generate("deepseek_v3", hf, dtype, batch, new_tokens, repeats, prompt_len=32)
 
 
 def bench_mla(dtype: torch.dtype, quick: bool) -> list[dict]:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 import transformers
-from _common import interleaved_times, row
+from _common import engine_vs_hf_generate, row
 
-from hybridrl.refit.transport import named_trainer_tensors
-from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine
 
 TYPES = ["heavily_compressed_attention", "heavily_compressed_attention", "compressed_sparse_attention",
          "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -60,22 +59,8 @@ def kv_rows(dtype: torch.dtype) -> list[dict]:
     return rows
 
 
-def hf_rows(hf, dtype, batch: int, new_tokens: int, repeats: int, prompt_len: int = 64) -> list[dict]:
-    engine = RolloutEngine(hf.config, EngineSpec(max_batch_size=batch, max_seq_len=prompt_len + new_tokens,
-                                                 dtype=dtype))
-    engine.load_weights(named_trainer_tensors(hf))
-    prompts = torch.randint(0, hf.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
-    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0)
-    with torch.inference_mode():
-        ours, theirs = interleaved_times([
-            lambda: engine.generate(prompts.tolist(), params),
-            lambda: hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
-                                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                eos_token_id=None, pad_token_id=0)], repeats)
-    tokens = batch * new_tokens
-    return [row(case=f"deepseek_v4 b={batch} T={new_tokens}", metric="tokens/s", ours=tokens / min(ours),
-                baseline=tokens / min(theirs), baseline_name="hf generate (dynamic cache, eager attention)",
-                higher_is_better=True)]
+def hf_rows(hf, dtype, batch: int, new_tokens: int, repeats: int) -> list[dict]:
+    return engine_vs_hf_generate("deepseek_v4", hf, dtype, batch, new_tokens, repeats, prompt_len=64, baseline_name="hf generate (dynamic cache, eager attention)")
 
 
 def bench_v4(dtype: torch.dtype, quick: bool) -> list[dict]:
