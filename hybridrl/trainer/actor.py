@@ -17,7 +17,7 @@ from hybridrl.config import AlgoConfig, Config, OptimConfig
 from hybridrl.trainer.forward import (ForwardOptions, MoEForward, compute_logprobs_entropy,
                                       router_load_balancing_loss)
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
-from hybridrl.trainer.shared_prefix import shared_prefix_logprobs_entropy
+from hybridrl.trainer.shared_prefix import prefix_cache_expandable, shared_prefix_logprobs_entropy
 
 
 def scalar(t: torch.Tensor) -> float:
@@ -149,7 +149,7 @@ class Actor:
         # (MoE replay and the router loss need every token through the plain packed forward)
         moe_extras = "routed_experts" in mb or self.router_aux_loss_coef > 0
         shared = (self.shared_prefix and not moe_extras and "group" in mb
-                  and int(lengths.sum()) <= self.max_tokens)
+                  and int(lengths.sum()) <= self.max_tokens and prefix_cache_expandable(self.model))
         micros = [list(range(len(lengths)))] if shared else self._micro(lengths)
         masks = [mb["response_mask"][m] for m in micros]
         info = algos.GlobalBatchInfo.from_masks(masks)

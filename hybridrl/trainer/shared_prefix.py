@@ -19,6 +19,16 @@ import torch
 from hybridrl.trainer.forward import _backbone, chunked_logprobs_entropy
 
 
+STATEFUL_CACHE_MODELS = ("deepseek_v4",)
+"""Models whose transformers cache is stateful (DeepSeek-V4's compressor buffers): a prompt's
+cache cannot be expanded to its group's rows, so they take the plain forward."""
+
+
+def prefix_cache_expandable(model) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) not in STATEFUL_CACHE_MODELS
+
+
 def shared_prefix_logprobs_entropy(model, input_ids, attention_mask, response_mask, prompt_len, group, *,
                                    temperature: float = 1.0, vocab_chunk_tokens: int = 1024):
     """``(logprobs, entropy)`` ``[B, L]`` float32, zeros outside ``response_mask``."""

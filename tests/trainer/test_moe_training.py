@@ -67,3 +67,20 @@ def test_routing_replay_and_router_loss_in_training(tmp_path):
         gaps[replay] = step["rollout/trainer_logprob_abs_diff"]
         assert step["actor/router_aux_loss"] > 0
     assert gaps[True] < gaps[False], gaps
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_builtin_deepseek_models_train_with_verified_refits(tmp_path, arch):
+    """model.arch=deepseek_v3 / deepseek_v4: GRPO steps with refit verification (V4: the plain
+    forward, its stateful cache cannot serve the shared-prefix path)."""
+    from hybridrl.job.loop import train
+
+    cfg = load_config(None, [f"model.arch={arch}", "model.hidden_size=32", "model.num_attention_heads=2",
+                             "model.intermediate_size=128", "data.train_size=64", "data.eval_size=4",
+                             "warm_start.steps=2", "rollout.n=4", "rollout.max_tokens=6", "batch.prompts_per_step=4",
+                             "trainer.total_steps=2", "trainer.eval_every=2", "refit.verify=true",
+                             "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
+                             "checkpoint.save=false", f"trainer.output_dir={tmp_path}"])
+    steps = [r for r in train(cfg).history if "reward/mean" in r]
+    assert len(steps) == 2 and all(r["refit/weight_version"] == r["rollout/weight_version"] + 1 for r in steps)
+    assert all(r["rollout/trainer_logprob_abs_diff"] < 1e-4 for r in steps)  # float32 engine == trainer
