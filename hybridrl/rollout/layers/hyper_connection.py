@@ -29,7 +29,8 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def _param(*shape, dtype, device) -> nn.Parameter:
+def loaded_param(*shape, dtype, device) -> nn.Parameter:
+    """A plain engine tensor loaded by copy (routed under its Hugging Face name)."""
     p = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
     p.weight_loader = copy_loader
     return p
@@ -41,9 +42,9 @@ class HyperConnection(nn.Module):
         super().__init__()
         n = hc_mult
         self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
-        self.fn = _param((2 + n) * n, n * hidden_size, dtype=dtype, device=device)
-        self.base = _param((2 + n) * n, dtype=dtype, device=device)
-        self.scale = _param(3, dtype=dtype, device=device)
+        self.fn = loaded_param((2 + n) * n, n * hidden_size, dtype=dtype, device=device)
+        self.base = loaded_param((2 + n) * n, dtype=dtype, device=device)
+        self.scale = loaded_param(3, dtype=dtype, device=device)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, S, N, H] -> (post [B, S, N] fp32, comb [B, S, N, N] fp32, collapsed [B, S, H])."""
@@ -75,9 +76,9 @@ class HyperHead(nn.Module):
     def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float, dtype, device):
         super().__init__()
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
-        self.hc_fn = _param(hc_mult, hc_mult * hidden_size, dtype=dtype, device=device)
-        self.hc_base = _param(hc_mult, dtype=dtype, device=device)
-        self.hc_scale = _param(1, dtype=dtype, device=device)
+        self.hc_fn = loaded_param(hc_mult, hc_mult * hidden_size, dtype=dtype, device=device)
+        self.hc_base = loaded_param(hc_mult, dtype=dtype, device=device)
+        self.hc_scale = loaded_param(1, dtype=dtype, device=device)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [B, S, N, H] -> [B, S, H]."""

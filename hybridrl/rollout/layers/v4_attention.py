@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.deepseek_v4_config import V4Dims
-from hybridrl.rollout.layers.hyper_connection import _param, unweighted_rms_norm
+from hybridrl.rollout.layers.hyper_connection import loaded_param, unweighted_rms_norm
 from hybridrl.rollout.layers.linear import LinearBase, ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import RMSNorm
@@ -113,7 +113,7 @@ class _Compressor(nn.Module):
         kw = dict(bias=False, method=UnquantizedLinearMethod(), dtype=dtype, device=device)
         self.kv_proj = ReplicatedLinear(hidden, out, prefix=f"{prefix}.kv_proj", **kw)
         self.gate_proj = ReplicatedLinear(hidden, out, prefix=f"{prefix}.gate_proj", **kw)
-        self.position_bias = _param(rate, out, dtype=dtype, device=device)
+        self.position_bias = loaded_param(rate, out, dtype=dtype, device=device)
         self.kv_norm = RMSNorm(width, eps, dtype, device)
         self.rate, self.width, self.overlap = rate, width, overlap
 
@@ -231,7 +231,7 @@ class V4Attention(nn.Module):
         self.o_a_proj = GroupedLinear(heads * D // dims.o_groups, dims.o_groups * dims.o_lora_rank, dims.o_groups,
                                       prefix=f"{prefix}.o_a_proj", method=method, dtype=dtype, device=device)
         self.o_b_proj = ReplicatedLinear(dims.o_groups * dims.o_lora_rank, hidden, prefix=f"{prefix}.o_b_proj", **kw)
-        self.sinks = _param(heads, dtype=dtype, device=device)
+        self.sinks = loaded_param(heads, dtype=dtype, device=device)
         self.compressor = None
         if layer_type == "heavily_compressed_attention":
             self.compressor = _Compressor(hidden, D, dims.hca_rate, False, eps, dtype, device, f"{prefix}.compressor")
