@@ -123,13 +123,12 @@ def parse_deepseek_v4(cfg: Any, raw: dict[str, Any] | None = None) -> V4Dims:
         compress_attention_factor=compress_factor)
 
 
-def v4_model_config(cfg: Any, raw: dict[str, Any] | None = None):
-    """The ``ModelConfig`` of a ``DeepseekV4Config`` (its ``v4`` field: :class:`V4Dims`)."""
-    from hybridrl.rollout.model_config import ModelConfig
-
+def v4_model_config(cfg: Any, model_config_cls, raw: dict[str, Any] | None = None):
+    """``model_config_cls(...)`` (a ``ModelConfig``) of a ``DeepseekV4Config``; its ``v4``
+    field is the :class:`V4Dims`."""
     dims = parse_deepseek_v4(cfg, raw)
     n = cfg.num_hidden_layers
-    model = ModelConfig(
+    model = model_config_cls(
         model_type="deepseek_v4", vocab_size=_positive(cfg, "vocab_size"), hidden_size=_positive(cfg, "hidden_size"),
         intermediate_size=_positive(cfg, "moe_intermediate_size"), num_layers=n,
         num_heads=cfg.num_attention_heads, num_kv_heads=1, head_dim=dims.head_dim,

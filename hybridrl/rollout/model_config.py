@@ -112,7 +112,7 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
     if model_type == "deepseek_v4":
         from hybridrl.rollout.deepseek_v4_config import v4_model_config
 
-        return v4_model_config(cfg)
+        return v4_model_config(cfg, ModelConfig)
     if _get(cfg, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by the rollout engine; set it to False")
     hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")

@@ -15,6 +15,7 @@ import transformers
 
 from hybridrl.refit.transport import named_trainer_tensors
 from hybridrl.rollout.deepseek_v4_config import v4_model_config
+from hybridrl.rollout.model_config import ModelConfig, parse_hf_config
 from hybridrl.rollout.layers.linear_method import UnquantizedLinearMethod
 from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
 from hybridrl.rollout.weight_routes import WeightRoutes
@@ -95,7 +96,7 @@ def indexer_margin(hf, ids) -> float:
 
 
 def engine_model(hf, cfg, max_seq_len=256):
-    model_cfg = v4_model_config(cfg)
+    model_cfg = parse_hf_config(cfg)
     model = DeepseekV4ForCausalLM(model_cfg, model_cfg.v4, UnquantizedLinearMethod(), max_seq_len, torch.float32,
                                   torch.device("cpu"))
     update = WeightUpdate(model, WeightRoutes(model))
@@ -139,7 +140,7 @@ def test_bad_v4_configs_fail_naming_the_key(field, value, key):
                       mlp_layer_types=["hash_moe", "moe", "moe"])
     setattr(cfg, field, value)
     with pytest.raises(ValueError) as err:
-        v4_model_config(cfg)
+        parse_hf_config(cfg)
     assert "\n" not in str(err.value) and f"{key}=" in str(err.value)
 
 
@@ -148,7 +149,7 @@ def test_a_layer_types_list_transformers_would_truncate_is_refused():
                       mlp_layer_types=["hash_moe", "moe", "moe"])
     raw = {"layer_types": TYPES + ["sliding_attention"]}  # config.json with 4 entries for 3 layers
     with pytest.raises(ValueError, match=r"layer_types=.*must have num_hidden_layers=3 entries"):
-        v4_model_config(cfg, raw)
+        v4_model_config(cfg, ModelConfig, raw)
 
 
 # ---- the engine: state cache, scheduler, refit ---------------------------------------------
