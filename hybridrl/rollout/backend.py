@@ -85,17 +85,18 @@ class WeightUpdateBracket:
         ``spec`` or its fields as keywords; the other keywords go to the backend's constructor."""
         from transformers import AutoConfig
 
-        from hybridrl.rollout.hf_checkpoint import iter_model_weights, model_weight_names
+        from hybridrl.rollout.hf_checkpoint import checkpoint_names, iter_model_weights, model_weight_names
 
         spec = EngineSpec.pop_from(spec, kwargs)
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         engine = cls(hf_config, spec, **kwargs)
-        names, routes = model_weight_names(path, hf_config), engine.weight_routes
+        on_disk = checkpoint_names(path)  # the headers, read once
+        names, routes = model_weight_names(on_disk, hf_config), engine.weight_routes
         missing = routes.missing(names) if hasattr(routes, "missing") else set(routes.expected) - names
         if missing:  # checked from the headers, before anything is written
             raise ValueError(f"checkpoint {path} lacks {len(missing)} weight(s) the {hf_config.model_type} engine "
                              f"needs: {listing(missing)}; save the checkpoint again or fix its config.json")
-        engine.load_weights(iter_model_weights(path, hf_config))
+        engine.load_weights(iter_model_weights(path, hf_config, on_disk))
         return engine
 
     def expected_weight_names(self) -> set[str]:

@@ -68,7 +68,7 @@ class RolloutEngine(WeightUpdateBracket):
         if self.config.v4 is not None:
             from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-            check_v4_engine(self.config.v4, record_routing, self.max_seq_len)
+            check_v4_engine(record_routing)
             self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(spec.quantization),
                                                self.max_seq_len, self.dtype, self.device)
         else:
@@ -232,7 +232,7 @@ class RolloutEngine(WeightUpdateBracket):
 
 
 
-def check_v4_engine(dims, record_routing: bool, max_seq_len: int) -> None:
+def check_v4_engine(record_routing: bool) -> None:
     """What the DeepSeek-V4 engine does not do yet (issue #32), refused in one line. (Any window
     and compression rate fits: the state's rings are sized by them, not by max_seq_len.)"""
     if record_routing:

@@ -75,9 +75,9 @@ def mtp_layer_names(names, hf_config: Any) -> list[str]:
     return [name for name in names if (m := _LAYER.match(name)) and int(m.group(1)) >= n]
 
 
-def model_weight_names(path: str, hf_config: Any) -> set[str]:
-    """The names :func:`iter_model_weights` yields, from the headers alone."""
-    names = checkpoint_names(path)
+def model_weight_names(names: dict[str, str], hf_config: Any) -> set[str]:
+    """The names :func:`iter_model_weights` yields for a checkpoint whose headers list
+    ``names`` (:func:`checkpoint_names`)."""
     skip = set(mtp_layer_names(names, hf_config))
     return {n for n in names if n not in skip and not n.endswith(SCALE_SUFFIX)}
 
@@ -92,11 +92,13 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: i
     return weight.float() * scale
 
 
-def iter_model_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's model weights, FP8 tiles dequantized and MTP layers skipped (module docstring)."""
+def iter_model_weights(path: str, hf_config: Any, names: dict[str, str] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's model weights, FP8 tiles dequantized and MTP layers skipped (module
+    docstring); ``names``: its :func:`checkpoint_names` when already read."""
     from safetensors import safe_open
 
-    names = checkpoint_names(path)
+    names = checkpoint_names(path) if names is None else names
     skip = set(mtp_layer_names(names, hf_config))
     if skip:
         layers = sorted({int(_LAYER.match(n).group(1)) for n in skip})

@@ -180,15 +180,15 @@ def read_packed_weight(module: nn.Module, in_features: int, dtype: torch.dtype) 
 
 
 def hf_parameter_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """``named_parameters()`` of the HF causal-LM class for ``hf_config``, built on the meta
-    device: the names and shapes a trainer of that config sends (tied ones once)."""
+    """``named_parameters()`` and persistent buffers of the HF causal-LM class for
+    ``hf_config``, built on the meta device: the names and shapes a trainer of that config
+    sends (tied ones once)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
+    from hybridrl.refit.transport import named_persistent_buffers
+
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    for module_name, module in model.named_modules():  # persistent buffers: refit sends them too
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and name not in module._non_persistent_buffers_set:
-                shapes[f"{module_name}.{name}" if module_name else name] = tuple(b.shape)
+    shapes.update((name, tuple(b.shape)) for name, b in named_persistent_buffers(model))  # refit sends them too
     return shapes

@@ -117,14 +117,10 @@ class _Compressor(nn.Module):
         self.kv_norm = RMSNorm(width, eps, dtype, device)
         self.rate, self.width, self.overlap = rate, width, overlap
 
-    def entries(self, x: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
-        """x [B, S, hidden] -> the complete windows' entries [B, S // rate, width] (rotated at
-        the window's first position)."""
-        return self.entries_and_raw(x, rotary)[0]
-
     def entries_and_raw(self, x: torch.Tensor, rotary: V4Rotary):
-        """-> (entries [B, S // rate, width], raw kv [B, S, out], raw gate [B, S, out]): the
-        raw projections are what the state's rings keep (the gate without position_bias)."""
+        """x [B, S, hidden] -> (the complete windows' entries [B, S // rate, width], rotated at
+        each window's first position; raw kv [B, S, out], raw gate [B, S, out]: the raw
+        projections are what the state's rings keep, the gate without position_bias)."""
         B, S, _ = x.shape
         m, D = self.rate, self.width
         n = S // m
