@@ -75,7 +75,7 @@ def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None) -> 
         if quantization and is_linear:
             rows, cols = p.shape
             scales = rows * 4 if quantization == "fp8" else (-(-rows // 128)) * (-(-cols // 128)) * 4
-            total += p.numel() + scales + (p.numel() * 2 if quantization == "fp8_block" else 0)
+            total += p.numel() + scales + (p.numel() * 2 if str(quantization).startswith("fp8_block") else 0)
         else:
             total += p.numel() * elem
     return total

@@ -74,29 +74,35 @@ def _check_scale_shape(fn: str, weight: torch.Tensor, scale: torch.Tensor, block
                          f"{tuple(weight.shape)} weight ({'128x128 blocks' if block else 'per channel'})")
 
 
-def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, block: bool) -> None:
+def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, block: bool,
+              pow2: bool = False) -> None:
     """Quantize ``src [N, K]`` (any float dtype) into ``weight [N, K]`` fp8 and ``scale`` in place.
 
     ``scale`` is ``[N, 1]`` (per channel) or ``block_scale_shape(N, K)`` (block). For block
     quantization ``weight`` must start on a 128-row tile boundary of its scale (callers pass
     row slices of a fused weight whose shard offsets are multiples of 128).
+
+    ``pow2``: every scale rounded up to a power of two, ``2**ceil(log2(amax / 448))`` — the
+    ``ue8m0`` scales of DeepSeek-V3.1/V4 checkpoints (storable as one E8M0 byte). Values then
+    survive a dequantize -> quantize round trip exactly (a power-of-two rescale of e4m3 codes
+    that stay within +-448), so a shipped checkpoint re-quantizes to its own values.
     """
     _check(src, weight, scale, block)
-    if _quantize_native(src, weight, scale, block):
+    if not pow2 and _quantize_native(src, weight, scale, block):
         return
     if src.device.type != "cpu":
-        _quantize_vectorized(src, weight, scale, block)
+        _quantize_vectorized(src, weight, scale, block, pow2)
         return
     n_rows, n_cols = src.shape
     for r0 in range(0, n_rows, ROWS_PER_STRIPE):
         r1 = min(r0 + ROWS_PER_STRIPE, n_rows)
         y = src[r0:r1].to(torch.float32, copy=True)  # (R, K) fp32 temporary
         if block:
-            s = _block_stripe_scale(y)  # (1, ceil(K/128))
+            s = _pow2_(_block_stripe_scale(y), pow2)  # (1, ceil(K/128))
             scale[r0 // BLOCK].copy_(s[0])
             s = s.repeat_interleave(BLOCK, dim=1)[:, :n_cols]  # (1, K)
         else:
-            s = y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX)  # (R, 1)
+            s = _pow2_(y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX), pow2)  # (R, 1)
             scale[r0:r1].copy_(s)
         y.div_(s).clamp_(-FP8_MAX, FP8_MAX)
         weight[r0:r1].copy_(y)  # fp32 -> e4m3fn, round to nearest even
@@ -218,7 +224,13 @@ def _tiles(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, y.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
 
 
-def _quantize_vectorized(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: bool) -> None:
+def _pow2_(s: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """``s`` rounded up to powers of two in place when ``pow2`` (log2 is exact on powers of two)."""
+    return s.log2_().ceil_().exp2_() if pow2 else s
+
+
+def _quantize_vectorized(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: bool,
+                         pow2: bool = False) -> None:
     """:func:`quantize_` in chunks of whole tiles, on ``src``'s device (bitwise the stripe loop)."""
     n_rows, n_cols = src.shape
     step = _rows_per_chunk(n_cols)
@@ -227,12 +239,12 @@ def _quantize_vectorized(src: torch.Tensor, weight: torch.Tensor, scale: torch.T
         y = src[r0:r1].to(torch.float32, copy=True)  # (R, K) fp32 temporary
         if block:
             padded, tiles = _tiles(y)
-            s = tiles.abs().amax(dim=(1, 3)).clamp_(min=TINY).div_(FP8_MAX)  # (ceil(R/128), ceil(K/128))
+            s = _pow2_(tiles.abs().amax(dim=(1, 3)).clamp_(min=TINY).div_(FP8_MAX), pow2)  # (R/128, K/128)
             scale[r0 // BLOCK:r0 // BLOCK + s.shape[0]].copy_(s)
             tiles.div_(s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
             y = padded[:r1 - r0, :n_cols]
         else:
-            s = y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX)  # (R, 1)
+            s = _pow2_(y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX), pow2)  # (R, 1)
             scale[r0:r1].copy_(s)
             y.div_(s).clamp_(-FP8_MAX, FP8_MAX)
         weight[r0:r1].copy_(y)  # fp32 -> e4m3fn, round to nearest even
@@ -263,11 +275,11 @@ def abs_error_bound(src: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return src.abs().to(torch.float32).mul_(2.0**-4 + 2.0**-20).add_(s * 2.0**-10)
 
 
-def reference_scale(src: torch.Tensor, *, block: bool) -> torch.Tensor:
+def reference_scale(src: torch.Tensor, *, block: bool, pow2: bool = False) -> torch.Tensor:
     """The scale ``quantize_`` would produce for ``src [N, K]`` (allocates; for checks)."""
     n_rows, n_cols = src.shape
     shape = block_scale_shape(n_rows, n_cols) if block else (n_rows, 1)
     scale = torch.empty(shape, dtype=torch.float32, device=src.device)
     weight = torch.empty(src.shape, dtype=FP8_DTYPE, device=src.device)
-    quantize_(src, weight, scale, block=block)
+    quantize_(src, weight, scale, block=block, pow2=pow2)
     return scale

@@ -137,3 +137,41 @@ def test_gpu_quantization_is_bitwise_the_cpu_one(block):
     dequantize_(w_cpu, s_cpu, out_cpu)
     dequantize_(w, s, out)
     assert torch.equal(out.cpu(), out_cpu)
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_pow2_scales_are_the_smallest_power_of_two_and_survive_a_round_trip_exactly(block):
+    """``pow2`` (ue8m0, DeepSeek-V3.1/V4 checkpoints): each scale is 2**ceil(log2(amax/448)),
+    computed here in float64; dequantized values re-quantize to the same values (a shipped
+    checkpoint's weights come back from a refit unchanged), within the usual error bound."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    src = torch.randn(300, 260, generator=g) * torch.logspace(-3, 2, 260)
+    w, s = _alloc(300, 260, block)
+    quantize_(src, w, s, block=block, pow2=True)
+    d = src.double().abs()
+    if block:
+        pad = torch.nn.functional.pad(d, (0, (-260) % BLOCK, 0, (-300) % BLOCK))
+        amax = pad.view(pad.shape[0] // BLOCK, BLOCK, -1, BLOCK).amax(dim=(1, 3))
+    else:
+        amax = d.amax(dim=1, keepdim=True)
+    assert torch.equal(s.double(), torch.exp2(torch.ceil(torch.log2(amax / 448.0))))
+    out = torch.empty(300, 260)
+    dequantize_(w, s, out)
+    assert ((out - src).abs() <= abs_error_bound(src, s)).all()
+    w2, s2 = _alloc(300, 260, block)
+    quantize_(out, w2, s2, block=block, pow2=True)
+    again = torch.empty(300, 260)
+    dequantize_(w2, s2, again)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_pow2_vectorized_path_equals_the_stripe_loop_bitwise(monkeypatch, block):
+    from hybridrl.quant import fp8
+    monkeypatch.setattr(fp8, "DEVICE_CHUNK_ELEMENTS", 256 * 128)
+    src = torch.randn(300, 200) * torch.logspace(-3, 2, 200)
+    w_ref, s_ref = _alloc(300, 200, block)
+    quantize_(src, w_ref, s_ref, block=block, pow2=True)
+    w, s = _alloc(300, 200, block)
+    fp8._quantize_vectorized(src, w, s, block, pow2=True)
+    assert torch.equal(w.view(torch.uint8), w_ref.view(torch.uint8)) and torch.equal(s, s_ref)

@@ -69,8 +69,9 @@ log = logging.getLogger(__name__)
 
 
 class Fp8LinearMethod(LinearMethodBase):
-    def __init__(self, block: bool = False, fnuz: bool | None = None):
+    def __init__(self, block: bool = False, fnuz: bool | None = None, pow2_scales: bool = False):
         self.block = block
+        self.pow2_scales = pow2_scales  # ue8m0: scales rounded up to powers of two (quant.fp8.quantize_)
         fnuz = FNUZ_DEFAULT if fnuz is None else fnuz
         self.fnuz = (torch.version.hip is not None) if fnuz is None else fnuz
 
@@ -122,7 +123,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if layer.fp8_inference_layout:  # the engine's weight update restores loading layout first
             raise ValueError(f"{layer.prefix}: FP8 weight written outside a weight update; load through "
                              "engine.load_weights or begin_weight_update() ... finish_weight_update()")
-        quantize_(loaded_weight, slot, self.scale_rows(layer, rows), block=self.block)
+        quantize_(loaded_weight, slot, self.scale_rows(layer, rows), block=self.block, pow2=self.pow2_scales)
 
     def scale_rows(self, layer, rows: slice) -> torch.Tensor:
         """The view of ``weight_scale`` that belongs to weight rows ``rows``."""
@@ -175,7 +176,7 @@ class Fp8LinearMethod(LinearMethodBase):
         weight = torch.empty(src.shape, dtype=FP8_DTYPE, device=device)
         scale = torch.empty(block_scale_shape(*src.shape) if self.block else (src.shape[0], 1),
                             dtype=torch.float32, device=device)
-        quantize_(src, weight, scale, block=self.block)
+        quantize_(src, weight, scale, block=self.block, pow2=self.pow2_scales)
         expected = torch.empty(src.shape, dtype=torch.float32, device=device)
         dequantize_(weight, scale, expected)
         if not ((expected - src).abs() <= abs_error_bound(src, scale)).all():

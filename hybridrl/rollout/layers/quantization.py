@@ -4,7 +4,8 @@ It sits above ``linear_method.py``, ``fp8_linear.py`` and ``fused_moe.py`` so th
 another's user: the methods depend on their interfaces, this registry depends on the methods.
 
 A name is ``<dense>`` or ``<dense>+mxfp4`` / ``mxfp4``: the dense part (None, ``fp8``,
-``fp8_block``) quantizes every linear layer except MoE routers; ``mxfp4`` quantizes the MoE
+``fp8_block``, ``fp8_block_ue8m0``: 128x128 tiles with power-of-two scales, the layout of
+DeepSeek-V3.1/V4 checkpoints) quantizes every linear layer except MoE routers; ``mxfp4`` quantizes the MoE
 experts (OCP MXFP4, ``hybridrl.quant.mxfp4``). Without ``mxfp4`` experts stay in the engine
 dtype. So ``"fp8+mxfp4"`` is FP8 attention/dense MLPs + MXFP4 experts in one engine, one refit.
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 from hybridrl.rollout.layers.fused_moe import FusedMoEMethodBase, Mxfp4FusedMoEMethod, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 
-QUANTIZATIONS = (None, "fp8", "fp8_block", "mxfp4", "fp8+mxfp4", "fp8_block+mxfp4")
+QUANTIZATIONS = (None, "fp8", "fp8_block", "fp8_block_ue8m0", "mxfp4", "fp8+mxfp4", "fp8_block+mxfp4",
+                 "fp8_block_ue8m0+mxfp4")
 
 
 def _split(quantization: str | None) -> tuple[str | None, str | None]:
@@ -47,6 +49,6 @@ def get_linear_method(quantization: str | None) -> LinearMethodBase:
     else:
         from hybridrl.rollout.layers.fp8_linear import Fp8LinearMethod  # on demand: pulls in the FP8 math
 
-        method = Fp8LinearMethod(block=dense == "fp8_block")
+        method = Fp8LinearMethod(block=dense.startswith("fp8_block"), pow2_scales=dense == "fp8_block_ue8m0")
     method.moe_method = get_moe_method(quantization)
     return method
