@@ -68,7 +68,6 @@ class RolloutEngine(WeightUpdateBracket):
         if self.config.v4 is not None:
             from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-            check_v4_engine(record_routing)
             self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(spec.quantization),
                                                self.max_seq_len, self.dtype, self.device)
         else:
@@ -230,13 +229,6 @@ class RolloutEngine(WeightUpdateBracket):
                     outputs[r.request_id] = r
         return outputs
 
-
-
-def check_v4_engine(record_routing: bool) -> None:
-    """What the DeepSeek-V4 engine does not do yet (issue #32), refused in one line. (Any window
-    and compression rate fits: the state's rings are sized by them, not by max_seq_len.)"""
-    if record_routing:
-        raise ValueError("routing record is not supported for deepseek_v4 yet; set rollout.routing_replay=false")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -16,7 +16,8 @@ Engine half::
     routed = rollouts.routed_experts             # [B, L, n_moe_layers, k] int16, -1 = none
 
 ``routed[b, t, l, j]`` is the j-th expert (router order: descending probability) chosen for
-token ``rollouts.input_ids[b, t]`` in the l-th MoE layer (``config.moe_layers[l]``), when the
+token ``rollouts.input_ids[b, t]`` in the l-th MoE layer (``config.moe_layers[l]``; DeepSeek-V4:
+the l-th top-k router layer, its hash layers need no record), when the
 engine ran that token through the model: prompt tokens (at prefill) and every response
 token but the last (the last is sampled, never fed). -1 there and at padding.
 
@@ -39,7 +40,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout.models.moe import ROUTING_DTYPE, SparseMoeBlock
+from hybridrl.rollout.models.moe import ROUTING_DTYPE, RoutingTap
 
 
 class RoutingRecorder:
@@ -51,9 +52,10 @@ class RoutingRecorder:
     when its request leaves. Memory: ``max_rows * max_seq_len * n_moe_layers * k * 2`` bytes.
     """
 
-    def __init__(self, blocks: list[SparseMoeBlock], max_batch_size: int, max_seq_len: int):
+    def __init__(self, blocks: list[RoutingTap], max_batch_size: int, max_seq_len: int):
         if not blocks:
-            raise ValueError("routing record: the model has no MoE layers")
+            raise ValueError("routing record: the model has no MoE layer with a learned router (nothing to record); "
+                             "set rollout.routing_replay=false")
         self.blocks = sorted(blocks, key=lambda b: b.moe_index)
         self.top_k = self.blocks[0].top_k
         for b in self.blocks:
@@ -131,8 +133,9 @@ def stack_routing(records: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
-def moe_blocks(model: torch.nn.Module) -> list[SparseMoeBlock]:
-    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+def moe_blocks(model: torch.nn.Module) -> list[RoutingTap]:
+    """The MoE blocks on the record's layer axis (all of them; DeepSeek-V4: its top-k layers)."""
+    return [m for m in model.modules() if isinstance(m, RoutingTap) and m.records_routing]
 
 
 def enable_routing_record(engine) -> RoutingRecorder:
@@ -171,12 +174,18 @@ def routing_of_sequences(engine, input_ids: torch.Tensor, attention_mask: torch.
 
 
 # ---- trainer half --------------------------------------------------------------------------
+def _is_v4_topk_router(m: torch.nn.Module) -> bool:
+    return type(m).__name__ == "DeepseekV4TopKRouter"
+
+
 def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k routers of a transformers Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 model, in layer order
-    (``model.layers.{i}.mlp.gate`` of the sparse layers: the engine's MoE layer axis)."""
+    """The top-k routers of a transformers Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 / DeepSeek-V4 model,
+    in layer order (``model.layers.{i}.mlp.gate`` of the sparse layers — V4: of its top-k layers,
+    not the hash ones — the engine's MoE layer axis)."""
     routers = []
     for name, m in model.named_modules():
-        if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "norm_topk_prob"):
+        if name.endswith("mlp.gate") and hasattr(m, "top_k") and (hasattr(m, "norm_topk_prob")
+                                                                  or _is_v4_topk_router(m)):
             routers.append((int(name.split("layers.")[1].split(".")[0]), m))
     return [m for _, m in sorted(routers, key=lambda t: t[0])]
 
@@ -188,7 +197,9 @@ def replay_routing(model: torch.nn.Module, routed: torch.Tensor) -> Iterator[Non
     ``routed``: ``[B, L, n_moe_layers, k]`` for a forward over ``input_ids [B, L]`` (or
     ``[N, n_moe_layers, k]`` for a packed forward over N tokens, e.g. ``routed[mask.bool()]``
     for padding-free packing): the router input's rows in the same order. DeepSeek-V3's
-    sigmoid router: :func:`_replaying_grouped_forward`.
+    sigmoid router: :func:`_replaying_grouped_forward`; DeepSeek-V4's top-k router:
+    :func:`_replaying_v4_forward` (its hash routers are left alone: ``tid2eid[token]`` is the
+    engine's choice by construction).
 
     Per token and layer, transformers' ``Qwen3MoeTopKRouter.forward`` becomes::
 
@@ -222,6 +233,8 @@ def replay_routing(model: torch.nn.Module, routed: torch.Tensor) -> Iterator[Non
 
 
 def _replaying_forward(router, layer_ids: torch.Tensor):
+    if _is_v4_topk_router(router):
+        return _replaying_v4_forward(router, layer_ids)
     if hasattr(router, "e_score_correction_bias"):
         return _replaying_grouped_forward(router, layer_ids)
 
@@ -263,4 +276,25 @@ def _replaying_grouped_forward(router, layer_ids: torch.Tensor):
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, w * router.routed_scaling_factor, ids
+    return forward
+
+
+def _replaying_v4_forward(router, layer_ids: torch.Tensor):
+    """DeepSeek-V4's ``DeepseekV4TopKRouter.forward`` with the recorded experts: logits in the
+    model dtype, ``scores = score_fn(logits)``, the ids replayed (its own
+    ``topk(scores + e_score_correction_bias)`` where any id is -1), the weights the trainer's
+    scores of those experts renormalized (``+ 1e-20``) times ``routed_scaling_factor``."""
+
+    def forward(hidden_states: torch.Tensor):
+        flat = hidden_states.reshape(-1, router.hidden_dim)
+        logits = F.linear(flat, router.weight)
+        if layer_ids.shape[0] != logits.shape[0]:
+            raise ValueError(f"replay_routing: {layer_ids.shape[0]} recorded tokens, the forward routes "
+                             f"{logits.shape[0]}; pass the routing of exactly this forward's tokens")
+        scores = router.score_fn(logits)
+        own = torch.topk(scores + router.e_score_correction_bias, router.top_k, dim=-1, sorted=False).indices
+        rec = layer_ids.to(device=logits.device, dtype=torch.long)
+        ids = torch.where((rec >= 0).all(dim=-1, keepdim=True), rec, own)
+        w = scores.gather(1, ids)
+        return logits, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor, ids
     return forward

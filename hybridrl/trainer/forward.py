@@ -361,6 +361,10 @@ def router_load_balancing_loss(model: torch.nn.Module, router_logits: list[tuple
     per_layer = tuple(torch.cat(layer) for layer in zip(*router_logits))
     if config.model_type == "deepseek_v3":
         return sigmoid_balance_loss(model, per_layer)
+    if config.model_type == "deepseek_v4":  # transformers' own V4 loss, over its top-k router layers
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import load_balancing_loss_func as v4_loss
+
+        return v4_loss(per_layer, config.n_routed_experts, config.num_experts_per_tok)
     return load_balancing_loss_func(per_layer, config.num_experts, config.num_experts_per_tok)
 
 

@@ -7,6 +7,7 @@ rates, right-padded batches. The indexer's top-k must not sit on a near-tie (tra
 disagrees with itself there), so a draw whose k-th and (k+1)-th indexer scores are within
 1e-4 is redrawn.
 """
+import contextlib
 import random
 
 import pytest
@@ -153,10 +154,11 @@ def test_a_layer_types_list_transformers_would_truncate_is_refused():
 
 
 # ---- the engine: state cache, scheduler, refit ---------------------------------------------
-def _engine(cfg, hf=None, **spec):
+def _engine(cfg, hf=None, record_routing=False, **spec):
     from hybridrl.rollout import EngineSpec, RolloutEngine
 
-    eng = RolloutEngine(cfg, EngineSpec(**{"max_batch_size": 3, "max_seq_len": 128, "dtype": torch.float32, **spec}))
+    eng = RolloutEngine(cfg, EngineSpec(**{"max_batch_size": 3, "max_seq_len": 128, "dtype": torch.float32, **spec}),
+                        record_routing=record_routing)
     if hf is not None:
         eng.load_weights(named_trainer_tensors(hf))
     return eng
@@ -327,7 +329,7 @@ def test_the_seed_prs_two_failure_modes_are_caught(monkeypatch):
     eng3.abort_weight_update()
 
 
-def test_state_bytes_and_what_the_v4_engine_refuses():
+def test_state_bytes_and_any_window_fits():
     from hybridrl.rollout import SamplingParams as SamplingParams_
 
     cfg, _ = _drawn(13)
@@ -341,10 +343,58 @@ def test_state_bytes_and_what_the_v4_engine_refuses():
             + n_hca * d / rates["heavily_compressed_attention"]) * 4
     assert cache.bytes_per_token == round(want)
     assert cache.bytes_at(4096) < 2 * cfg.num_hidden_layers * d * 4 * 4096  # vs full attention's k + v
-    from hybridrl.rollout import EngineSpec, RolloutEngine
-
-    with pytest.raises(ValueError, match="routing record is not supported for deepseek_v4") as err:
-        RolloutEngine(cfg, EngineSpec(max_batch_size=1, max_seq_len=64), record_routing=True)
-    assert "\n" not in str(err.value)
     short = _engine(cfg, hf_model(cfg, 5), max_seq_len=cfg.sliding_window // 2 + 4)  # any window fits the rings
     assert short.generate([[3, 4, 5]], SamplingParams_(max_tokens=2)).response_token_ids
+
+
+def test_routing_record_is_the_topk_routers_choice_replays_in_transformers_and_hash_layers_need_none():
+    """The record covers the top-k router layers only; transformers' routers choose the same
+    experts for every fed token; replaying the record changes nothing, replaying a different
+    choice is obeyed; the hash routers' choice is tid2eid[token] in both, replay or not."""
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.rollout.routing import replay_routing
+
+    seed = fresh_seed()
+    cfg, hf = _drawn(seed)
+    eng = _engine(cfg, hf, record_routing=True)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in (7, 30, 18, 44)]
+    out = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=1.0, seed=3))
+    routed = out.routed_experts
+    topk_layers = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "moe"]
+    assert routed.shape[2:] == (len(topk_layers), cfg.num_experts_per_tok)
+
+    def routers_choice(ids, replay=None):
+        chosen = {}
+        hooks = [hf.model.layers[i].mlp.gate.register_forward_hook(
+            lambda m, a, o, i=i: chosen.__setitem__(i, o[2])) for i in range(cfg.num_hidden_layers)]
+        try:
+            with torch.no_grad(), (replay_routing(hf, replay) if replay is not None else contextlib.nullcontext()):
+                logits = hf(input_ids=ids).logits
+        finally:
+            for h in hooks:
+                h.remove()
+        return logits, chosen
+
+    for b in range(len(prompts)):
+        n = int(out.attention_mask[b].sum())
+        ids, rec = out.input_ids[b:b + 1, :n], routed[b:b + 1, :n]
+        fed = (rec[0] >= 0).all(-1).all(-1)  # every token but the last sampled one
+        assert int(fed.sum()) == n - 1, f"seed {seed} row {b}"
+        base, chosen = routers_choice(ids)
+        for layer, i in enumerate(topk_layers):
+            hf_ids = chosen[i].view(n, -1)[fed].sort(-1).values
+            assert torch.equal(hf_ids, rec[0, fed, layer].long().sort(-1).values), f"seed {seed} row {b} layer {i}"
+        for i, t in enumerate(cfg.mlp_layer_types):
+            if t == "hash_moe":
+                tid2eid = eng.model.model.layers[i].mlp.gate.tid2eid  # the engine's table (loaded by refit)
+                assert torch.equal(chosen[i].view(n, -1), tid2eid[ids[0]])
+        replayed, _ = routers_choice(ids, rec)
+        torch.testing.assert_close(replayed[0, fed], base[0, fed], rtol=0, atol=1e-5)
+        other = torch.where(rec >= 0, (rec + 1) % cfg.n_routed_experts, rec)  # a different valid choice
+        _, forced = routers_choice(ids, other)
+        for layer, i in enumerate(topk_layers):
+            assert torch.equal(forced[i].view(n, -1)[fed], other[0, fed, layer].long())
+        for i, t in enumerate(cfg.mlp_layer_types):
+            if t == "hash_moe":
+                assert torch.equal(forced[i], chosen[i])

@@ -6,7 +6,8 @@ import torch
 
 from hybridrl.attention import varlen
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprobs_entropy, sigmoid_balance_loss
+from hybridrl.trainer.forward import (ForwardOptions, MoEForward, compute_logprobs_entropy, router_load_balancing_loss,
+                                      sigmoid_balance_loss)
 from tests.rollout import _deepseek as ds
 
 
@@ -57,7 +58,8 @@ def test_sigmoid_balance_loss_by_hand():
 
 def test_deepseek_v4_trainer_logprobs_equal_engine_logprobs_and_packing_is_refused():
     """V4 cannot run packed (its compressors cut windows from each row's start): 'auto' picks
-    right-aligned buckets, exact; asking for varlen is one line."""
+    right-aligned buckets, exact, with and without the engine's routing replayed; the aux loss
+    is transformers' V4 loss over the real tokens' top-k router logits; asking for varlen is one line."""
     import random
 
     from hybridrl.refit.transport import named_trainer_tensors
@@ -65,16 +67,28 @@ def test_deepseek_v4_trainer_logprobs_equal_engine_logprobs_and_packing_is_refus
     from tests.rollout.test_deepseek_v4 import _drawn
 
     cfg, hf = _drawn(31)
-    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=96, dtype=torch.float32))
+    eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=96, dtype=torch.float32), record_routing=True)
     eng.load_weights(named_trainer_tensors(hf))
     prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in random.Random(0).sample(range(5, 40), 4)]
     out = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=2))
-    with torch.no_grad():
-        lp, _ = compute_logprobs_entropy(hf, out.input_ids, out.attention_mask, out.response_mask,
-                                         options=ForwardOptions(vocab_chunk_tokens=7))
     m = out.response_mask.bool()
     m[:, 0] = False
-    assert (lp[m] - out.logprobs[m]).abs().max() < 1e-4
+    for moe in (None, MoEForward(routed_experts=out.routed_experts, router_logits=[])):
+        with torch.no_grad():
+            lp, _ = compute_logprobs_entropy(hf, out.input_ids, out.attention_mask, out.response_mask,
+                                             options=ForwardOptions(vocab_chunk_tokens=7), moe=moe)
+        assert (lp[m] - out.logprobs[m]).abs().max() < 1e-4
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import load_balancing_loss_func
+
+    rows = []  # transformers' router logits of each row's real tokens, alone
+    with torch.no_grad():
+        for b in range(len(prompts)):
+            ids = out.input_ids[b][out.attention_mask[b].bool()]
+            rows.append(hf(input_ids=ids[None], output_router_logits=True).router_logits)
+    want = load_balancing_loss_func(tuple(torch.cat(layer) for layer in zip(*rows)), cfg.n_routed_experts,
+                                    cfg.num_experts_per_tok)
+    assert len(moe.router_logits[0]) == cfg.mlp_layer_types.count("moe")
+    torch.testing.assert_close(router_load_balancing_loss(hf, moe.router_logits), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="attn_backend='varlen' is wrong for deepseek_v4") as err:
         compute_logprobs_entropy(hf, out.input_ids, out.attention_mask, out.response_mask,
                                  options=ForwardOptions(attn_backend="varlen"))

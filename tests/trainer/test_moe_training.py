@@ -72,7 +72,8 @@ def test_routing_replay_and_router_loss_in_training(tmp_path):
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
 def test_builtin_deepseek_models_train_with_verified_refits(tmp_path, arch):
     """model.arch=deepseek_v3 / deepseek_v4: GRPO steps with refit verification (V4: the plain
-    forward, its stateful cache cannot serve the shared-prefix path)."""
+    forward, its stateful cache cannot serve the shared-prefix path; its top-k layers' routing
+    recorded by the engine and replayed in the trainer)."""
     from hybridrl.job.loop import train
 
     cfg = load_config(None, [f"model.arch={arch}", "model.hidden_size=32", "model.num_attention_heads=2",
@@ -80,7 +81,11 @@ def test_builtin_deepseek_models_train_with_verified_refits(tmp_path, arch):
                              "warm_start.steps=2", "rollout.n=4", "rollout.max_tokens=6", "batch.prompts_per_step=4",
                              "trainer.total_steps=2", "trainer.eval_every=2", "refit.verify=true",
                              "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
-                             "checkpoint.save=false", f"trainer.output_dir={tmp_path}"])
+                             "checkpoint.save=false", f"trainer.output_dir={tmp_path}",
+                             f"rollout.routing_replay={str(arch == 'deepseek_v4').lower()}",
+                             f"algo.router_aux_loss_coef={0.01 if arch == 'deepseek_v4' else 0}"])
     steps = [r for r in train(cfg).history if "reward/mean" in r]
     assert len(steps) == 2 and all(r["refit/weight_version"] == r["rollout/weight_version"] + 1 for r in steps)
     assert all(r["rollout/trainer_logprob_abs_diff"] < 1e-4 for r in steps)  # float32 engine == trainer
+    if arch == "deepseek_v4":
+        assert all(0 < r["actor/router_aux_loss"] < float("inf") for r in steps)

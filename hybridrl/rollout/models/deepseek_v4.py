@@ -28,6 +28,7 @@ from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm, copy_loader
 from hybridrl.rollout.layers.v4_attention import V4Attention, V4Rotary
 from hybridrl.rollout.model_config import ModelConfig
+from hybridrl.rollout.models.moe import RoutingTap
 
 SCORE_FNS = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
 
@@ -79,10 +80,16 @@ class V4Router(nn.Module):
         return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
 
 
-class V4MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: V4Dims, hashed: bool, method: LinearMethodBase,
+class V4MoE(RoutingTap, nn.Module):
+    """Router + routed experts + the shared expert. A top-k layer is on the routing record's
+    layer axis at ``moe_index`` (its position among the top-k layers); a hash layer is not
+    (its choice is ``tid2eid[token]``, the same in the trainer by construction)."""
+
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, hashed: bool, moe_index: int, method: LinearMethodBase,
                  moe_method: FusedMoEMethodBase, dtype, device, prefix: str):
         super().__init__()
+        self.top_k, self.records_routing = cfg.num_experts_per_tok, not hashed
+        self._init_routing_tap(moe_index)
         self.gate = V4Router(cfg, dims, hashed, dtype, device)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, method=moe_method,
                                     dtype=dtype, device=device, prefix=f"{prefix}.experts",
@@ -90,10 +97,12 @@ class V4MoE(nn.Module):
         self.shared_experts = SharedMLP(cfg.hidden_size, cfg.moe_intermediate_size, dims.swiglu_limit, method,
                                         dtype, device, f"{prefix}.shared_experts")
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         B, S, H = x.shape
         h = x.reshape(-1, H)
         ids, weights = self.gate(h, input_ids.reshape(-1))
+        if self.records_routing:
+            self.tap_routing(ids, decoding)
         return (self.experts(h, ids, weights.to(h.dtype)) + self.shared_experts(h)).view(B, S, H)
 
 
@@ -103,20 +112,22 @@ class V4DecoderLayer(nn.Module):
         eps, H = cfg.rms_norm_eps, cfg.hidden_size
         self.self_attn = V4Attention(H, cfg.num_heads, dims, dims.layer_types[idx], eps, method, dtype, device,
                                      f"{prefix}.self_attn")
-        self.mlp = V4MoE(cfg, dims, dims.mlp_layer_types[idx] == "hash_moe", method, moe_method, dtype, device,
-                         f"{prefix}.mlp")
+        topk_layers = [i for i, t in enumerate(dims.mlp_layer_types) if t != "hash_moe"]
+        hashed = idx not in topk_layers
+        self.mlp = V4MoE(cfg, dims, hashed, -1 if hashed else topk_layers.index(idx), method, moe_method, dtype,
+                         device, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(H, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(H, eps, dtype, device)
         hc = dict(hc_mult=dims.hc_mult, hidden_size=H, sinkhorn_iters=dims.hc_sinkhorn_iters, hc_eps=dims.hc_eps,
                   norm_eps=eps, dtype=dtype, device=device)
         self.attn_hc, self.ffn_hc = HyperConnection(**hc), HyperConnection(**hc)
 
-    def forward(self, streams, input_ids, attend) -> torch.Tensor:
+    def forward(self, streams, input_ids, attend, decoding: bool = False) -> torch.Tensor:
         """``attend(self_attn, x)``: the attention call (full-sequence or decode)."""
         post, comb, x = self.attn_hc(streams)
         streams = expand(post, comb, attend(self.self_attn, self.input_layernorm(x)), streams)
         post, comb, x = self.ffn_hc(streams)
-        return expand(post, comb, self.mlp(self.post_attention_layernorm(x), input_ids), streams)
+        return expand(post, comb, self.mlp(self.post_attention_layernorm(x), input_ids, decoding), streams)
 
 
 class DeepseekV4Model(nn.Module):
@@ -152,7 +163,8 @@ class DeepseekV4Model(nn.Module):
         rot = self.rotary_emb
         streams = self._streams(ids)
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, ids, lambda attn, x, s=state.layers[i]: attn.decode(x, positions, rot, s))
+            streams = layer(streams, ids, lambda attn, x, s=state.layers[i]: attn.decode(x, positions, rot, s),
+                            decoding=True)
         return self.norm(self.hc_head(streams))[:, 0]
 
     def _streams(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -162,6 +174,7 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    routing_recorder = None  # set by hybridrl.rollout.routing.enable_routing_record
 
     def __init__(self, cfg: ModelConfig, dims: V4Dims, method: LinearMethodBase, max_seq_len: int, dtype, device,
                  moe_method: FusedMoEMethodBase | None = None):

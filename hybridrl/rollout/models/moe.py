@@ -20,10 +20,7 @@ Qwen routing is transformers' exactly: ``softmax(router_logits, float32)``, ``to
 renormalized when ``norm_topk_prob``, weights cast to the hidden dtype; an expert's output
 is ``down(silu(gate(x)) * up(x))`` times its weight, summed over the k experts.
 
-Routing record (``hybridrl/rollout/routing.py``): a block that has a ``routing_buffer``
-copies the decode step's top-k expert ids into it (a static tensor, so a captured CUDA
-graph writes it on every replay); during a recorded prefill it keeps a reference to the
-prefill's ids (``last_routing``; prefill is never graphed).
+Routing record (``hybridrl/rollout/routing.py``): :class:`RoutingTap`, the block's side of it.
 """
 from __future__ import annotations
 
@@ -93,14 +90,46 @@ class GroupedTopkRouter(nn.Module):
         return F.linear(h.float(), self.weight.float())
 
 
-class SparseMoeBlock(nn.Module):
+class RoutingTap:
+    """What the routing record (``hybridrl/rollout/routing.py``) reads from an MoE block: the
+    decode step's top-k ids copied into a static ``routing_buffer [max_rows, k]`` (a captured
+    graph writes it on every replay) and, during a recorded prefill, a reference to the
+    prefill's ids (``last_routing``). ``moe_index``: the block's position on the record's layer
+    axis; ``records_routing``: False for a block whose choice needs no record (DeepSeek-V4's
+    hash layers: ``tid2eid[token]``)."""
+
+    moe_index: int
+    top_k: int
+    records_routing: bool = True
+
+    def _init_routing_tap(self, moe_index: int) -> None:
+        self.moe_index = moe_index
+        self.register_buffer("routing_buffer", None, persistent=False)  # set by enable_routing_buffer
+        self.record_prefill = False
+        self.last_routing: torch.Tensor | None = None
+
+    def enable_routing_buffer(self, max_rows: int) -> None:
+        """Allocate the static decode-routing buffer ``[max_rows, k]`` (once, before graph capture)."""
+        if self.routing_buffer is None:
+            self.routing_buffer = torch.full((max_rows, self.top_k), -1, dtype=ROUTING_DTYPE,
+                                             device=self.gate.weight.device)
+
+    def tap_routing(self, topk_ids: torch.Tensor, decoding: bool) -> None:
+        """``topk_ids [T, k]`` of this forward: a decode step's into the buffer, a recorded prefill's kept."""
+        if decoding:
+            if self.routing_buffer is not None and topk_ids.shape[0] <= self.routing_buffer.shape[0]:
+                self.routing_buffer[:topk_ids.shape[0]].copy_(topk_ids)
+        elif self.record_prefill:
+            self.last_routing = topk_ids
+
+
+class SparseMoeBlock(RoutingTap, nn.Module):
     def __init__(self, cfg: ModelConfig, moe_index: int, moe_method: FusedMoEMethodBase, dtype, device, prefix: str,
                  shared_expert: nn.Module | None = None):
         super().__init__()
         H, E = cfg.hidden_size, cfg.num_experts
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.moe_index = moe_index
-        """position of this block among the model's MoE layers (the routing record's layer axis)."""
+        self._init_routing_tap(moe_index)  # position among the model's MoE layers (the record's layer axis)
         self.grouped = cfg.router
         if self.grouped is not None:
             self.gate = GroupedTopkRouter(E, H, dtype, device)
@@ -116,15 +145,6 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = shared_expert
             self.shared_expert_gate = ReplicatedLinear(H, 1, bias=False, method=UnquantizedLinearMethod(),
                                                        dtype=dtype, device=device, prefix=f"{prefix}.shared_expert_gate")
-        self.register_buffer("routing_buffer", None, persistent=False)  # set by enable_routing_buffer
-        self.record_prefill = False
-        self.last_routing: torch.Tensor | None = None
-
-    def enable_routing_buffer(self, max_rows: int) -> None:
-        """Allocate the static decode-routing buffer ``[max_rows, k]`` (once, before graph capture)."""
-        if self.routing_buffer is None:
-            self.routing_buffer = torch.full((max_rows, self.top_k), -1, dtype=ROUTING_DTYPE,
-                                             device=self.gate.weight.device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """x ``[B, S, H]`` -> ``[B, S, H]``."""
@@ -132,11 +152,7 @@ class SparseMoeBlock(nn.Module):
         h = x.reshape(-1, shape[-1])
         topk_ids, topk_weights = self.select(h)
         if ctx is not None:
-            if not ctx.is_prefill:
-                if self.routing_buffer is not None and h.shape[0] <= self.routing_buffer.shape[0]:
-                    self.routing_buffer[:h.shape[0]].copy_(topk_ids)
-            elif self.record_prefill:
-                self.last_routing = topk_ids
+            self.tap_routing(topk_ids, decoding=not ctx.is_prefill)
         out = self.experts(h, topk_ids, topk_weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
