@@ -43,6 +43,20 @@ def load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimize
                    optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
 
 
+def unsharded_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s class before FSDP2 wrapped it, built on the meta device (no memory): what
+    transformers' reverse weight conversion must see. It picks its renames by module class
+    name, and FSDP2 renames every sharded module's class (``FSDPDeepseekV4ForCausalLM``), so on
+    the wrapped model DeepSeek-V4's anchored renames hit other names than ``save_pretrained``'s."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return model
+    original = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        return original(model.config)
+
+
 def export_hf(model: torch.nn.Module, directory: Path | None, *, bucket_bytes: int = EXPORT_BUCKET_BYTES) -> None:
     """Gather ``model``'s parameters bucket by bucket; rank 0 (``directory`` not None) writes
     them as safetensors shards + index, HF layout: the names and layout ``save_pretrained``
@@ -57,13 +71,14 @@ def export_hf(model: torch.nn.Module, directory: Path | None, *, bucket_bytes: i
     files: dict[str, str] = {}
     bucket: dict[str, torch.Tensor] = {}
     size, total, n = 0, 0, 0
+    naming = unsharded_twin(model) if directory is not None else model
 
     def flush() -> None:
         nonlocal bucket, size, n
         if bucket and directory is not None:
             n += 1
             name = f"model-{n:05d}.safetensors"
-            bucket = revert_weight_conversion(model, bucket)
+            bucket = revert_weight_conversion(naming, bucket)
             save_file({k: v.contiguous().cpu() for k, v in bucket.items()}, str(directory / name),
                       metadata={"format": "pt"})
             files.update({k: name for k in bucket})

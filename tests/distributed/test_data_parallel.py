@@ -25,6 +25,9 @@ CASES = {
     # the packed path), DeepSeekMoE with routing replay. (Not the balance loss: like every MoE
     # aux loss it is a product of batch statistics, computed per rank, so 2 ranks != 1.)
     "deepseek_v3_replay": ["model.arch=deepseek_v3", "rollout.routing_replay=true"],
+    # transformers' DeepseekV4ForCausalLM (padded buckets: it cannot run packed), its top-k
+    # layers replayed; the exported checkpoint named as save_pretrained names it.
+    "deepseek_v4_replay": ["model.arch=deepseek_v4", "rollout.routing_replay=true"],
 }
 LOSSES = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
 
