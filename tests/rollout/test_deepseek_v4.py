@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (issue #32, in progress) in the rollout engine vs transformers' DeepseekV4ForCausalLM.
+"""DeepSeek-V4 (issue #32) in the rollout engine vs transformers' DeepseekV4ForCausalLM.
 
 Configs drawn fresh per run (seed in the failure message): every layer type (sliding, CSA,
 HCA), both routers (hash, top-k), hc_mult 2-4, sqrtsoftplus or sigmoid scoring, default or
