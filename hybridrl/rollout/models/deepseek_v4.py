@@ -1,4 +1,4 @@
-"""DeepSeek-V4 decoder, stateless forward (full sequences): work in progress for #32.
+"""DeepSeek-V4 decoder (issue #32): full-sequence forward (prefill, logits) and decode.
 
 transformers' ``DeepseekV4ForCausalLM`` module for module (names mirrored, so HF names route
 by default): token embedding copied into ``hc_mult`` streams; per layer a hyper-connected
@@ -10,8 +10,8 @@ plus the correction bias (``moe`` layers), weights = the chosen scores renormali
 ``routed_scaling_factor``; experts and the one shared MLP use the clamped SwiGLU
 (``swiglu_limit``). Every layer is MoE (V4 has no dense MLP layers).
 
-Not an engine model yet: no KV state, so :class:`DeepseekV4Model` only runs
-``forward(input_ids, valid)`` over right-padded rows (``docs/design/deepseek_v4_plan.md``).
+Per-request attention state lives in ``rollout/v4_state.py`` (``forward`` fills it at prefill,
+``decode`` advances it); the top-k layers tap the routing record (``models/moe.py: RoutingTap``).
 """
 from __future__ import annotations
 
