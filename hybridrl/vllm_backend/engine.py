@@ -128,7 +128,7 @@ class VllmEngine(WeightUpdateBracket):
         if vllm_quant is not None:
             args["quantization"] = vllm_quant
         if on_cpu and is_mla(hf_config):
-            args.update(CPU_LLM_KWARGS)  # vLLM's CPU rotary kernel is wrong for MLA's 3-D q/k (mla.py)
+            args.update(CPU_LLM_KWARGS)  # CPU_MLA on every host; rotary off for 3-D q/k (mla.py)
         args.update(llm_kwargs)
         try:
             with preserve_torch_state(), preserve_environ():

