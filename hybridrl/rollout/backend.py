@@ -149,7 +149,8 @@ def bucket_problems(routes, named_tensors: Iterable[tuple[str, torch.Tensor]], w
             dup.add(name)
         seen.add(name)
         shape = routes[name].shape
-        if tuple(t.shape) != tuple(shape):
+        local = getattr(routes[name], "local_shape", shape)  # a tensor-parallel rank's part
+        if tuple(t.shape) not in (tuple(shape), tuple(local)):
             bad.append(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
         elif t.dtype not in TRAINER_DTYPES and not _same_integer_slot(routes[name], t):
             bad.append(f"{name} dtype {t.dtype} is not a trainer float dtype {TRAINER_DTYPES}")

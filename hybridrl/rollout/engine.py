@@ -24,6 +24,7 @@ import torch
 from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.layers.quantization import get_linear_method
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
@@ -48,14 +49,18 @@ class RolloutEngine(WeightUpdateBracket):
     def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = False,
                  compile_decode: bool = False, record_routing: bool = False, kv_on_refit: str = "recompute",
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tensor_parallel: TensorParallel = SINGLE):
         """``hf_config``: a transformers config (or a checkpoint directory to read it from);
         ``spec``: capacity and numerics (quantization: None, "fp8", "fp8_block", "mxfp4").
         ``enforce_eager``: no CUDA graphs; ``compile_decode``: torch.compile the eager decode
         step; ``record_routing``: record MoE routing for replay in the trainer.
         ``kv_on_refit``: in-flight requests after a weight update: "recompute" their KV
         (exact) or "keep" it (approximate); ``max_prefill_tokens``: new prompt tokens
-        prefilled per step; ``prefix_cache_bytes``: budget of retained conversation KV."""
+        prefilled per step; ``prefix_cache_bytes``: budget of retained conversation KV.
+        ``tensor_parallel``: this rank's place in a tensor-parallel group (``layers/
+        tensor_parallel.py``): every rank of the group builds its engine with the same
+        arguments and must be handed the same requests in the same order (each step's
+        collectives pair up across the group)."""
         if isinstance(hf_config, str):
             from transformers import AutoConfig
             hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
@@ -65,14 +70,19 @@ class RolloutEngine(WeightUpdateBracket):
         self.dtype, self.device = spec.dtype, resolve_device(spec.device)
         self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
+        self.tensor_parallel = tensor_parallel
         if self.config.v4 is not None:
             from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+            if tensor_parallel.size > 1:
+                raise ValueError("RolloutEngine: tensor parallelism is not built for deepseek_v4 (hyper-connections, "
+                                 "compressors and the indexer are whole-model); use rollout.tensor_parallel_size=1")
 
             self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(spec.quantization),
                                                self.max_seq_len, self.dtype, self.device)
         else:
             self.model = DecoderForCausalLM(self.config, get_linear_method(spec.quantization), self.max_seq_len,
-                                            self.dtype, self.device)
+                                            self.dtype, self.device, tp=tensor_parallel)
         # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
         self.runner = ModelRunner(self.model, self.max_batch_size, self.max_seq_len, self.dtype, self.device,
                                   compile_decode)

@@ -25,11 +25,14 @@ class KVCache:
     of ``kv_lora_rank + qk_rope_head_dim``: the compressed KV every query head reads)."""
 
     def __init__(self, cfg: ModelConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, kv_heads: int | None = None):
+        """``kv_heads``: the KV heads this rank holds under tensor parallelism (default: all)."""
         self.names = tuple(name for name, _, _ in cfg.kv_layout)
+        layout = [(name, kv_heads if (kv_heads and name in ("k", "v")) else heads, width)
+                  for name, heads, width in cfg.kv_layout]
         # zeros, not empty: a padded CUDA-graph row may read slots nobody wrote; keep them finite.
         self.tensors = tuple(torch.zeros((cfg.num_layers, max_batch_size, heads, max_seq_len, width),
-                                         dtype=dtype, device=device) for _, heads, width in cfg.kv_layout)
+                                         dtype=dtype, device=device) for _, heads, width in layout)
         for name, t in zip(self.names, self.tensors):
             setattr(self, name, t)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len

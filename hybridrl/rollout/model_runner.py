@@ -27,7 +27,9 @@ class ModelRunner:
 
             self.kv_cache = V4StateCache(model.config.v4, max_batch_size, max_seq_len, dtype, device)
         else:
-            self.kv_cache = KVCache(model.config, max_batch_size, max_seq_len, dtype, device)
+            tp, cfg = model.tp, model.config  # tensor parallel: this rank's KV heads (MLA's latent is whole)
+            kv_heads = None if cfg.mla is not None or tp.size == 1 else tp.kv_heads(cfg.num_kv_heads)[1]
+            self.kv_cache = KVCache(cfg, max_batch_size, max_seq_len, dtype, device, kv_heads=kv_heads)
         self.rows = torch.arange(max_batch_size, device=device)  # decode cache rows, static
         self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
         self.graphs: CudaGraphRunner | None = None

@@ -7,6 +7,11 @@ HF-name -> slot mapping exists once. It is derived from the model alone: the mod
 ``packed_modules_mapping`` (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) and each
 linear layer's shard geometry.
 
+Tensor parallel (``layers/tensor_parallel.py``): ``shape`` is still the whole HF tensor's
+(what a trainer holds); ``tp`` says which part of it this rank holds. ``load`` and
+``expected_held`` take either the whole tensor (sliced here) or exactly that part
+(``local_shape``: the FSDP -> TP refit sends only it).
+
 Tied embeddings: ``lm_head.weight`` is then the embedding Parameter itself, so it has no
 route of its own; it is in ``ignored`` (accepted and skipped when sent).
 
@@ -27,6 +32,7 @@ import torch
 from torch import nn
 
 from hybridrl.rollout.layers.linear import LinearBase
+from hybridrl.rollout.layers.tensor_parallel import TPSlice, take_local
 
 TIED_HEAD = "lm_head.weight"
 
@@ -44,13 +50,21 @@ class WeightRoute:
     """rows of ``param`` this shard fills; None = the whole parameter."""
     layer: LinearBase | None
     """set when ``param`` is a linear method's weight: the method then owns its values."""
+    tp: TPSlice | None = None
+    """the part of the HF tensor this rank holds (tensor parallel); None: all of it."""
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's part (== ``shape`` without tensor parallelism)."""
+        return self.shape if self.tp is None else self.tp.local_shape(self.shape)
 
     def load(self, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` in place through the parameter's ``weight_loader``."""
-        self.param.weight_loader(self.param, tensor, self.shard_id)
+        """Write ``tensor`` (whole, or this rank's part) in place through the parameter's ``weight_loader``."""
+        self.param.weight_loader(self.param, take_local(tensor, self.shape, self.tp), self.shard_id)
 
     def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
         """What ``held()`` will return once ``load(tensor)`` ran (computed on ``tensor``'s device)."""
+        tensor = take_local(tensor, self.shape, self.tp)
         if self.layer is not None:
             return self.layer.method.expected_held(self.layer, tensor, self.shard_id)
         return tensor.to(self.param.dtype)  # a plain copy_ into the slot
@@ -134,17 +148,19 @@ def _build(model: nn.Module) -> Iterator[WeightRoute]:
             continue
         module_name, leaf = name.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        if not isinstance(module, LinearBase):
-            yield WeightRoute(name, name, None, param.shape, param, None, None)
+        if not isinstance(module, LinearBase):  # vocabulary-sharded embeddings mark themselves
+            yield WeightRoute(name, name, None, getattr(param, "hf_shape", param.shape), param,
+                              getattr(param, "tp_rows", None), None, getattr(param, "tp_slice", None))
             continue
         if leaf not in ("weight", "bias"):
             continue  # a linear method's own tensor (e.g. an FP8 scale), not an HF name
         layer = module if param is module.weight else None
         if module.shard_names == (None,):
-            yield WeightRoute(name, name, None, module.shard_shape(None, leaf), param, module.shard_slice(None), layer)
+            yield WeightRoute(name, name, None, module.hf_shape(None, leaf), param, module.shard_slice(None), layer,
+                              module.tp_slice(None, leaf))
             continue
         fused = module_name.rsplit(".", 1)[-1]
         for hf_part, shard_id in fused_to_hf[fused]:
             hf_name = f"{module_name[:-len(fused)]}{hf_part}.{leaf}"
-            yield WeightRoute(hf_name, name, shard_id, module.shard_shape(shard_id, leaf), param,
-                              module.shard_slice(shard_id), layer)
+            yield WeightRoute(hf_name, name, shard_id, module.hf_shape(shard_id, leaf), param,
+                              module.shard_slice(shard_id), layer, module.tp_slice(shard_id, leaf))

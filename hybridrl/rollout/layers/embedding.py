@@ -1,4 +1,9 @@
-"""Token embedding and LM head. With tied embeddings the head shares the embedding Parameter."""
+"""Token embedding and LM head. With tied embeddings the head shares the embedding Parameter.
+
+Tensor parallel (``tensor_parallel.py``): both hold this rank's share of the vocabulary rows
+(``ceil(V / T)`` rows, the last share padded); the embedding zeroes the ids outside its share
+and all-reduces, the head all-gathers its logits and drops the padding: ``[..., V]`` on
+every rank, the same bits."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.layers import cpu_linear
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, vocab_share
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -33,33 +39,62 @@ def copy_into_(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def _vocab_rows(param: nn.Parameter, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+    """Mark a vocabulary-sharded parameter for its route: the HF shape, this rank's slice, and a
+    loader that fills its first ``length`` rows (the rest is padding)."""
+    start, length, _ = vocab_share(vocab_size, tp)
+    param.hf_shape = torch.Size([vocab_size, hidden_size])
+    param.tp_slice, param.tp_rows = TPSlice(0, ((start, length),)), slice(0, length)
+
+    def loader(p, loaded, shard_id=None):
+        default_weight_loader(p.data[:length], loaded, shard_id)
+
+    param.weight_loader = loader
+
+
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+        self.tp = tp
+        self.vocab_start, self.vocab_len, rows = vocab_share(vocab_size, tp)
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        if tp.size > 1:
+            _vocab_rows(self.weight, vocab_size, hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_len)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce_(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
 class LMHead(nn.Module):
     """logits = h @ W.T; `tied_to` makes W the embedding Parameter itself (no copy)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 tied_to: VocabEmbedding | None = None):
+                 tied_to: VocabEmbedding | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.tied = tied_to is not None
+        self.tied, self.tp, self.vocab_size = tied_to is not None, tp, vocab_size
         if self.tied:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(_head_storage(vocab_size, hidden_size, dtype, torch.device(device)),
+            rows = vocab_share(vocab_size, tp)[2]
+            self.weight = nn.Parameter(_head_storage(rows, hidden_size, dtype, torch.device(device)),
                                        requires_grad=False)
             self.weight.weight_loader = default_weight_loader
+            if tp.size > 1:
+                _vocab_rows(self.weight, vocab_size, hidden_size, tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(hidden, self.weight)
+        logits = cpu_linear.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[..., :self.vocab_size]
 
 
 # Measured trade-off, kept here so nobody re-derives it: storing the head as a transposed
@@ -72,7 +107,8 @@ TRANSPOSED_HEAD_ON_CPU = False
 
 
 def _head_storage(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The [V, hidden] head weight (row-major; see TRANSPOSED_HEAD_ON_CPU)."""
+    """The [V, hidden] head weight (row-major; see TRANSPOSED_HEAD_ON_CPU). Zeros: a tensor-
+    parallel share's padding rows are never loaded (their logits are dropped)."""
     if device.type != "cpu" or not TRANSPOSED_HEAD_ON_CPU:
-        return torch.empty(vocab_size, hidden_size, dtype=dtype, device=device)
-    return torch.empty(hidden_size, vocab_size, dtype=dtype, device=device).t()
+        return torch.zeros(vocab_size, hidden_size, dtype=dtype, device=device)
+    return torch.zeros(hidden_size, vocab_size, dtype=dtype, device=device).t()

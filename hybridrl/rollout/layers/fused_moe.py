@@ -16,6 +16,14 @@ per-expert names of safetensors checkpoints on disk (``experts.{e}.gate_proj.wei
 ``up_proj``, ``down_proj``) are *aliases* of slices of them. Loading either writes the same
 storage in place: a checkpoint (per-expert) and a trainer (fused) refit the same engine.
 
+Tensor parallel (``tensor_parallel.py``): every rank holds every expert, with its share of
+the intermediate width (``gate_up_proj`` rows ``[t·I/T, (t+1)·I/T)`` of both halves,
+``down_proj`` the same columns), so an expert's output on a rank is a partial sum that the
+MoE block all-reduces once (with its shared experts'). Sharding the experts themselves
+(expert parallel) would need an all-to-all dispatch of tokens to their experts' ranks;
+with the expert counts we serve, TP keeps every rank's work equal whatever the routing and
+needs no dispatch, which is also vLLM's default (``enable_expert_parallel`` off).
+
 Dispatch (:func:`fused_experts`): the T*k (token, expert) pairs are sorted by expert
 (a stable sort on the device), the tokens gathered in that order, and each projection is
 one grouped GEMM over contiguous per-expert row groups whose end offsets come from a
@@ -43,6 +51,7 @@ from torch import nn
 
 from hybridrl.quant import mxfp4
 from hybridrl.rollout.derived import DerivedCache
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, take_local
 
 PROJS = ("gate_up_proj", "down_proj")
 IMPL = "auto"  # "auto" | "grouped" | "loop" | "dense" (tests force each)
@@ -283,9 +292,12 @@ class FusedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  method: FusedMoEMethodBase, dtype: torch.dtype, device: torch.device, prefix: str = "",
-                 swiglu_limit: float | None = None):
+                 swiglu_limit: float | None = None, tp: TensorParallel = SINGLE):
+        """``intermediate_size``: the HF width I; this rank holds ``I / tp.size`` of it."""
         super().__init__()
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.tp, self.hf_intermediate_size = tp, intermediate_size
+        self.inter_start, local = tp.split(intermediate_size, f"{prefix}: the experts' intermediate size")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, local
         self.swiglu_limit = swiglu_limit
         self.dtype, self.prefix, self.method = dtype, prefix, method
         method.create_weights(self, dtype, device)
@@ -295,11 +307,24 @@ class FusedExperts(nn.Module):
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         return torch.Size([E, 2 * I, H] if proj == "gate_up_proj" else [E, H, I])
 
-    def hf_shape(self, proj: str, expert: int | None, shard: int | None) -> torch.Size:
-        shape = self.full_shape(proj)
+    def hf_shape(self, proj: str, expert: int | None, shard: int | None, local: bool = True) -> torch.Size:
+        """The HF tensor's shape for (proj, expert, shard): this rank's part, or (``local=False``) whole."""
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size if local else self.hf_intermediate_size
+        shape = torch.Size([E, 2 * I, H] if proj == "gate_up_proj" else [E, H, I])
         if expert is None:
             return shape
-        return torch.Size([self.intermediate_size, shape[2]]) if shard is not None else shape[1:]
+        return torch.Size([I, H]) if shard is not None else shape[1:]
+
+    def tp_slice(self, proj: str, expert: int | None, shard: int | None) -> TPSlice | None:
+        """The part of the HF tensor this rank holds (None without tensor parallelism)."""
+        if self.tp.size == 1:
+            return None
+        s, n, I = self.inter_start, self.intermediate_size, self.hf_intermediate_size
+        if proj == "down_proj":
+            return TPSlice(2 if expert is None else 1, ((s, n),))
+        if expert is None:
+            return TPSlice(1, ((s, n), (I + s, n)))
+        return TPSlice(0, ((s, n),))
 
     def rows(self, proj: str, shard: int | None) -> slice:
         """Rows of one expert's matrix holding ``shard`` (gate 0 / up 1 of ``gate_up_proj``)."""
@@ -333,12 +358,14 @@ class FusedExperts(nn.Module):
             fused = f"{module_name}.{proj}"
             param = self.method.loaded_param(self, proj)
             param_name = f"{module_name}.{_param_attr(self, param)}"
-            yield ExpertRoute(fused, param_name, self.hf_shape(proj, None, None), param, self, proj, None, None, None)
+            yield ExpertRoute(fused, param_name, self.hf_shape(proj, None, None, local=False), param, self, proj,
+                              None, None, None, tp=self.tp_slice(proj, None, None))
             parts = (("gate_proj", 0), ("up_proj", 1)) if proj == "gate_up_proj" else (("down_proj", None),)
             for e in range(E):
                 for part, shard in parts:
-                    yield ExpertRoute(f"{module_name}.{e}.{part}.weight", param_name, self.hf_shape(proj, e, shard),
-                                      param, self, proj, e, shard, fused)
+                    yield ExpertRoute(f"{module_name}.{e}.{part}.weight", param_name,
+                                      self.hf_shape(proj, e, shard, local=False), param, self, proj, e, shard, fused,
+                                      tp=self.tp_slice(proj, e, shard))
 
 
 def _param_attr(module: nn.Module, param: nn.Parameter) -> str:
@@ -364,11 +391,19 @@ class ExpertRoute:
     shard_id: int | None
     canonical: str | None
     rows: slice | None = None
+    tp: TPSlice | None = None
+    """the part of the HF tensor this rank holds (tensor parallel); None: all of it."""
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return self.shape if self.tp is None else self.tp.local_shape(self.shape)
 
     def load(self, tensor: torch.Tensor) -> None:
+        tensor = take_local(tensor, self.shape, self.tp)
         self.layer.method.weight_loader(self.layer, self.proj, tensor, self.expert, self.shard_id)
 
     def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = take_local(tensor, self.shape, self.tp)
         return self.layer.method.expected_held(self.layer, self.proj, tensor, self.expert, self.shard_id)
 
     def held(self) -> torch.Tensor:

@@ -39,6 +39,12 @@ keys, so expanding the keys once (``kv_b_proj`` over the T attended latents) and
 ordinary attention with ``qk_head_dim`` keys is cheaper than absorbing (which multiplies
 every query by ``W_UK`` and attends with ``r + rope``-wide keys: for DeepSeek-V3 576 vs
 192 per query-key pair); ``benchmarks/rollout.py`` measures the decode side.
+
+**Tensor parallel** splits the heads: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are
+column-parallel by head (so are ``w_uk`` / ``w_uv``, derived from this rank's rows),
+``o_proj`` row-parallel with one all-reduce; the down-projections (``q_a_proj``,
+``kv_a_proj_with_mqa``) and the latent cache are whole on every rank, as in vLLM (the latent
+is one shared KV head: it is replicated, like a GQA KV head when there are more ranks).
 """
 from __future__ import annotations
 
@@ -48,9 +54,10 @@ from torch import nn
 
 from hybridrl.rollout.derived import DerivedCache
 from hybridrl.rollout.layers.attention import CPU_MATMUL_DECODE_MIN_BATCH, ForwardContext
-from hybridrl.rollout.layers.linear import ReplicatedLinear
+from hybridrl.rollout.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
 
 DECODE_MODES = ("absorb", "decompress")
@@ -95,30 +102,34 @@ class MlaAttention(nn.Module):
     prefill_mode = "decompress"  # or "absorb" (the benchmark's comparison)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, method: LinearMethodBase, dtype: torch.dtype,
-                 device: torch.device, prefix: str, rotary: MlaRotary):
+                 device: torch.device, prefix: str, rotary: MlaRotary, tp: TensorParallel = SINGLE):
         super().__init__()
         mla = cfg.mla
-        self.layer_idx, self.num_heads = layer_idx, cfg.num_heads
+        self.layer_idx, self.num_heads = layer_idx, tp.split(cfg.num_heads, "the attention heads")[1]
         self.nope, self.rope, self.v_dim, self.rank = (mla.qk_nope_head_dim, mla.qk_rope_head_dim,
                                                        mla.v_head_dim, mla.kv_lora_rank)
         self.scale = mla.softmax_scale
         self.rotary = [rotary]  # shared with the model; a list so it is not registered twice
         H, qk = cfg.num_heads, mla.qk_head_dim
         kw = dict(method=method, dtype=dtype, device=device)
+        heads = dict(tp=tp, what="the attention heads")
         if mla.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(cfg.hidden_size, H * qk, bias=False, prefix=f"{prefix}.q_proj", **kw)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, H * qk, unit=qk, bias=False,
+                                               prefix=f"{prefix}.q_proj", **heads, **kw)
         else:
             self.q_a_proj = ReplicatedLinear(cfg.hidden_size, mla.q_lora_rank, bias=cfg.qkv_bias,
                                              prefix=f"{prefix}.q_a_proj", **kw)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6, dtype, device)
-            self.q_b_proj = ReplicatedLinear(mla.q_lora_rank, H * qk, bias=False, prefix=f"{prefix}.q_b_proj", **kw)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, H * qk, unit=qk, bias=False,
+                                                 prefix=f"{prefix}.q_b_proj", **heads, **kw)
         self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.rank + self.rope, bias=cfg.qkv_bias,
                                                    prefix=f"{prefix}.kv_a_proj_with_mqa", **kw)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype, device)
-        self.kv_b_proj = ReplicatedLinear(self.rank, H * (self.nope + self.v_dim), bias=False,
-                                          prefix=f"{prefix}.kv_b_proj", **kw)
-        self.o_proj = ReplicatedLinear(H * self.v_dim, cfg.hidden_size, bias=cfg.o_bias,
-                                       prefix=f"{prefix}.o_proj", **kw)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, H * (self.nope + self.v_dim), unit=self.nope + self.v_dim,
+                                              bias=False, prefix=f"{prefix}.kv_b_proj", **heads, **kw)
+        self.o_proj = RowParallelLinear(H * self.v_dim, cfg.hidden_size, unit=self.v_dim, bias=cfg.o_bias,
+                                        prefix=f"{prefix}.o_proj", **heads, **kw)
+        H = self.num_heads  # this rank's heads from here on
         ready = lambda: self.kv_b_proj.method.in_inference_layout(self.kv_b_proj)  # noqa: E731
         DerivedCache(self, "w_uk", torch.zeros(H, self.nope, self.rank, dtype=dtype, device=device),
                      compute=lambda out: out.copy_(self._kv_b_heads()[:, :self.nope]), ready=ready)

@@ -20,6 +20,10 @@ Qwen routing is transformers' exactly: ``softmax(router_logits, float32)``, ``to
 renormalized when ``norm_topk_prob``, weights cast to the hidden dtype; an expert's output
 is ``down(silu(gate(x)) * up(x))`` times its weight, summed over the k experts.
 
+Tensor parallel: the router is whole on every rank (every rank routes every token the same
+way), the experts and shared experts hold a share of their width (``layers/fused_moe.py``)
+and the block sums their partial outputs with one all-reduce.
+
 Routing record (``hybridrl/rollout/routing.py``): :class:`RoutingTap`, the block's side of it.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ from hybridrl.rollout.layers.fused_moe import FusedExperts, FusedMoEMethodBase
 from hybridrl.rollout.layers.linear import ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import copy_loader
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
 
 ROUTING_DTYPE = torch.int16  # expert ids as recorded (E <= 32767)
@@ -125,8 +130,10 @@ class RoutingTap:
 
 class SparseMoeBlock(RoutingTap, nn.Module):
     def __init__(self, cfg: ModelConfig, moe_index: int, moe_method: FusedMoEMethodBase, dtype, device, prefix: str,
-                 shared_expert: nn.Module | None = None):
+                 shared_expert: nn.Module | None = None, tp: TensorParallel = SINGLE):
+        """``shared_expert``: built with ``tp`` and ``reduce=False`` (this block reduces it)."""
         super().__init__()
+        self.tp = tp
         H, E = cfg.hidden_size, cfg.num_experts
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self._init_routing_tap(moe_index)  # position among the model's MoE layers (the record's layer axis)
@@ -137,7 +144,7 @@ class SparseMoeBlock(RoutingTap, nn.Module):
             self.gate = ReplicatedLinear(H, E, bias=False, method=UnquantizedLinearMethod(), dtype=dtype,
                                          device=device, prefix=f"{prefix}.gate")
         self.experts = FusedExperts(E, H, cfg.moe_intermediate_size, method=moe_method, dtype=dtype,
-                                    device=device, prefix=f"{prefix}.experts")
+                                    device=device, prefix=f"{prefix}.experts", tp=tp)
         self.shared_expert = self.shared_experts = None
         if self.grouped is not None:  # DeepSeek: ``mlp.shared_experts``, ungated
             self.shared_experts = shared_expert
@@ -158,7 +165,7 @@ class SparseMoeBlock(RoutingTap, nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         elif self.shared_experts is not None:
             out = out + self.shared_experts(h)
-        return out.view(shape)
+        return self.tp.all_reduce_(out).view(shape)  # the experts' and shared experts' partial sums
 
     def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in h's dtype)."""
