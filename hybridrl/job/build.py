@@ -159,11 +159,18 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
     from hybridrl.trainer.rollout_worker import RolloutWorker
     from hybridrl.trainer.scoring import RewardScorer
 
+    mesh = None
+    if cfg.rollout.tensor_parallel_size > 1:
+        from hybridrl.distributed.mesh import build_rollout_mesh
+        from hybridrl.rollout.layers.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(model.config, cfg.rollout.tensor_parallel_size, cfg.rollout.quantization)
+        mesh = build_rollout_mesh(cfg.rollout.tensor_parallel_size)
     engine = build_engine(cfg, model.config, device=device, ranks=dp.world_size if dp is not None else 1,
-                          longest_prompt=longest_prompt)
+                          longest_prompt=longest_prompt, tensor_parallel=mesh.tp if mesh is not None else None)
     actor = Actor.from_config(model, cfg)
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
-                                        device=device)
+                                        device=device, mesh=mesh)
     rollout.refit(model)  # first load = the refit path
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
     step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,

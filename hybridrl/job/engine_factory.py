@@ -9,13 +9,17 @@ import torch
 from hybridrl.config import Config
 
 
-def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int):
+def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int,
+                 tensor_parallel=None):
     """The run's rollout engine (``rollout.backend``), sized for this rank's share of a
-    step's responses and the longest prompt plus ``rollout.max_tokens``."""
+    step's responses (a tensor-parallel group's: its ranks' shares) and the longest prompt
+    plus ``rollout.max_tokens``. ``tensor_parallel``: this rank's place in its group."""
     from hybridrl.rollout import EngineSpec
+    from hybridrl.rollout.layers.tensor_parallel import SINGLE
 
+    tensor_parallel = tensor_parallel or SINGLE
     r, t = cfg.rollout, cfg.trainer
-    spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks, 256),
+    spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks * tensor_parallel.size, 256),
                       max_seq_len=cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
                       quantization=r.quantization)
     if r.backend == "vllm":
@@ -27,4 +31,4 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
 
     return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,
                          kv_on_refit=r.kv_on_refit, max_prefill_tokens=r.max_prefill_tokens,
-                         prefix_cache_bytes=r.prefix_cache_mb << 20)
+                         prefix_cache_bytes=r.prefix_cache_mb << 20, tensor_parallel=tensor_parallel)

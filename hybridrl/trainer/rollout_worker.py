@@ -34,8 +34,11 @@ class RolloutWorker:
     """``engine`` plus the run's sampling settings; tensors come back on ``device``."""
 
     def __init__(self, engine: RolloutBackend, sampling: SamplingParams, *, device: torch.device,
-                 bucket_bytes: int, verify_refit: bool, step_latency_s: float = 0.0):
+                 bucket_bytes: int, verify_refit: bool, step_latency_s: float = 0.0, mesh=None):
+        """``mesh``: this rank's generation group (``distributed/mesh.py``) when the engine is
+        one tensor-parallel shard; the group's ranks then generate their prompts together."""
         self.engine = engine
+        self.mesh = mesh if mesh is not None and mesh.tp.size > 1 else None
         self.step_latency_s = step_latency_s  # rollout.step_latency_ms: a training-rollout step lasts at least this
         self.sampling = sampling  # n, temperature, top-k/p, max_tokens, stop ids (seed set per prompt)
         self.device = device
@@ -45,10 +48,10 @@ class RolloutWorker:
 
     @classmethod
     def from_config(cls, engine: RolloutBackend, rollout: RolloutConfig, refit: RefitConfig, *,
-                    eos_token_id: int | None, device: torch.device) -> RolloutWorker:
+                    eos_token_id: int | None, device: torch.device, mesh=None) -> RolloutWorker:
         """The run's worker: ``rollout.*`` sampling (stopping at ``eos_token_id``) and ``refit.*``."""
         return cls(engine, sampling_params(rollout, eos_token_id), device=device, bucket_bytes=refit.bucket_mb << 20,
-                   verify_refit=refit.verify, step_latency_s=rollout.step_latency_ms / 1000)
+                   verify_refit=refit.verify, step_latency_s=rollout.step_latency_ms / 1000, mesh=mesh)
 
     @property
     def version(self) -> int:
@@ -58,8 +61,10 @@ class RolloutWorker:
     def refit(self, model: torch.nn.Module) -> RefitStats:
         """Write ``model``'s weights into the engine in place (the refit protocol); an
         FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``)."""
-        refit = refit_from_model
-        if _is_fsdp_sharded(model):
+        refit = refit_from_model  # a whole model: the engine takes its tensor-parallel slices itself
+        if _is_fsdp_sharded(model) and self.mesh is not None:
+            from hybridrl.distributed.tp_refit import refit_sharded_tp as refit  # FSDP shards -> TP shards
+        elif _is_fsdp_sharded(model):
             from hybridrl.distributed.refit import refit_sharded as refit
         stats = refit(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit)
         self.expected_version = self.version
@@ -93,6 +98,8 @@ class RolloutWorker:
 
     def sample(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
         """``sampling.n`` responses per prompt, one seed per prompt (rows prompt-major)."""
+        if self.mesh is not None:  # the group generates every rank's prompts together
+            return self.sample_groups(prompts, seeds, lambda g, outputs: None)
         params = [dataclasses.replace(self.sampling, seed=s) for s in seeds]
         return self._to_device(self.engine.generate(prompts, params))
 
@@ -103,6 +110,12 @@ class RolloutWorker:
         decode), so their scoring overlaps the rest of the generation. Same seeds, same
         tokens as :meth:`sample` (sample j of a prompt seeded ``request_seed(seed, j)``)."""
         n, call = self.sampling.n, next(self._calls)
+        own = range(len(prompts))
+        if self.mesh is not None:  # every group rank adds every rank's requests, in rank order
+            pairs, offset = self.mesh.gather(list(zip(prompts, seeds)))
+            prompts, seeds = [p for p, _ in pairs], [s for _, s in pairs]
+            own, report = range(offset, offset + len(own)), on_group
+            on_group = lambda g, outputs: report(g - offset, outputs) if g in own else None  # noqa: E731
         ids = [[f"rollout-{call}-{g}-{j}" for j in range(n)] for g in range(len(prompts))]
         for g, (prompt, seed) in enumerate(zip(prompts, seeds)):
             for j in range(n):
@@ -129,7 +142,7 @@ class RolloutWorker:
                 self.engine.abort(rid)
             raise
         pad = getattr(self.engine, "pad_token_id", 0)
-        return self._to_device(rollouts_from_outputs([done[rid] for row in ids for rid in row], pad))
+        return self._to_device(rollouts_from_outputs([done[rid] for g in own for rid in ids[g]], pad))
 
     def greedy(self, prompts: list[list[int]]) -> Rollouts:
         """One greedy response per prompt (eval, ReMax baselines)."""

@@ -129,3 +129,60 @@ def vocab_share(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
     per = -(-vocab_size // tp.size)
     start = min(tp.rank * per, vocab_size)
     return start, min(per, vocab_size - start), per
+
+
+def check_tensor_parallel(hf_config, size: int, quantization: str | None = None) -> None:
+    """One-line ``ValueError`` for a model the built-in engine cannot split ``size`` ways
+    (checked before anything is built; the layers repeat the arithmetic at construction)."""
+    if size == 1:
+        return
+    from hybridrl.rollout.model_config import parse_hf_config
+
+    cfg = parse_hf_config(hf_config)
+    where = f"rollout.tensor_parallel_size={size} with {cfg.model_type}"
+    if cfg.v4 is not None:
+        raise ValueError(f"{where}: tensor parallelism is not built for deepseek_v4 (hyper-connections, "
+                         "compressors and the indexer are whole-model); use rollout.tensor_parallel_size=1")
+    widths = {"num_attention_heads": cfg.num_heads}
+    if cfg.mla is None:
+        widths["intermediate_size"] = cfg.intermediate_size
+    elif cfg.moe_layers != tuple(range(cfg.num_layers)):
+        widths["intermediate_size"] = cfg.intermediate_size
+    if cfg.num_experts:
+        widths["moe_intermediate_size"] = cfg.moe_intermediate_size
+    if cfg.shared_expert_intermediate_size:
+        widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    for key, n in widths.items():
+        if n % size:
+            raise ValueError(f"{where}: {key}={n} does not split {size} ways; use a size that divides it")
+    if cfg.mla is None and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        raise ValueError(f"{where}: num_key_value_heads={cfg.num_kv_heads} can neither be split nor replicated "
+                         f"{size} ways; use a size that divides it or a multiple of it")
+    if cfg.o_bias or cfg.mlp_bias:
+        raise ValueError(f"{where}: a bias on o_proj / down_proj would be added once per rank; use "
+                         "rollout.tensor_parallel_size=1 for this model")
+    dense = (quantization or "").split("+")[0] or None
+    if dense == "fp8":  # per-row scales over a row-parallel layer's split input would differ per rank
+        raise ValueError(f"{where}: quantization=fp8 (per-channel scales) on row-parallel o_proj / down_proj "
+                         "would scale each rank's columns on their own; use fp8_block (128-column tiles align "
+                         "with the shards) or tensor_parallel_size=1")
+    if dense is not None and dense.startswith("fp8_block"):  # 128x128 tiles: each shard must own whole tiles
+        T, m = size, cfg.mla
+        if m is None:
+            kvh = cfg.num_kv_heads // T if cfg.num_kv_heads % T == 0 else 1
+            rows = {"q rows per rank": cfg.num_heads // T * cfg.head_dim, "k / v rows per rank": kvh * cfg.head_dim,
+                    "o_proj columns per rank": cfg.num_heads // T * cfg.head_dim}
+        else:
+            rows = {"q_b_proj rows per rank": cfg.num_heads // T * m.qk_head_dim,
+                    "kv_b_proj rows per rank": cfg.num_heads // T * (m.qk_nope_head_dim + m.v_head_dim),
+                    "o_proj columns per rank": cfg.num_heads // T * m.v_head_dim}
+        if "intermediate_size" in widths:
+            rows["MLP width per rank"] = cfg.intermediate_size // T
+        for what, n in rows.items():
+            if n % 128:
+                raise ValueError(f"{where}: {quantization} needs the {what} ({n}) to be a multiple of 128 (whole "
+                                 "tiles per shard, so each shard's scales are the unsharded ones); use a smaller "
+                                 "size or quantization=null")
+    if "mxfp4" in (quantization or "") and cfg.num_experts and (cfg.moe_intermediate_size // size) % 32:
+        raise ValueError(f"{where}: mxfp4 needs each rank's moe_intermediate_size ({cfg.moe_intermediate_size // size}) "
+                         "to be a multiple of 32 (whole blocks per shard); use a smaller size")
