@@ -109,7 +109,8 @@ def _plan(args: argparse.Namespace) -> int:
     dtype = DTYPES[cfg.model.dtype]
     plan = plan_memory(hf_config, world_size=world, trainer_dtype=dtype, engine_dtype=dtype,
                        quantization=r.quantization, batch=min(cfg.batch.prompts_per_step * r.n // world or 1, 256),
-                       seq_len=cfg.data.max_prompt_length + r.max_tokens, bucket_bytes=cfg.refit.bucket_mb << 20)
+                       seq_len=cfg.data.max_prompt_length + r.max_tokens, bucket_bytes=cfg.refit.bucket_mb << 20,
+                       tensor_parallel_size=r.tensor_parallel_size)
     print(plan.table(args.device_gib))
     return 0
 

@@ -6,10 +6,13 @@ The model is built on the meta device (no memory, no download) and sharded with 
 Each rank's share is then read off the DTensor shards — not re-derived by a formula:
 
 - trainer: parameters, gradients (same dtype and sharding), AdamW's two moments (float32)
-- engine (full model per rank): weights in the rollout dtype, FP8 linears at 1 byte +
-  a float32 scale per output row (``fp8``) or per 128×128 block (``fp8_block``) plus the
-  dequantized bf16 cache that fp8_block keeps on CUDA; KV cache for the batch and lengths
-- refit: one bucket + the largest parameter (the sharded refit's bound)
+- engine: the built-in engine's own model built on the meta device for the largest rank of
+  its tensor-parallel group (``rollout.tensor_parallel_size``; 1 = the full model), so
+  every tensor it registers counts: weights in the rollout dtype, FP8 codes + scales and
+  the dequantized derived caches, MXFP4 blocks + scales + cache; KV cache for the rows the
+  group serves (its ranks' responses) over this rank's KV heads
+- refit: one bucket + the largest parameter (the sharded refit's bound), or with tensor
+  parallelism one bucket + this rank's slice of the largest parameter (FSDP -> TP refit)
 
 Activations are not included (they depend on micro-batch size and checkpointing): the
 headroom left is what they may use.
@@ -33,16 +36,21 @@ class MemoryPlan:
     engine_weights: int
     kv_cache: int
     refit: int
+    tensor_parallel_size: int = 1
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.engine_weights + self.kv_cache + self.refit
 
     def table(self, device_gib: float | None = None) -> str:
+        T = self.tensor_parallel_size
+        engine = "engine weights (full model)" if T == 1 else f"engine weights (TP shard, 1/{T})"
+        refit = "refit bucket + largest param" if T == 1 else "refit bucket + its TP slice"
         rows = [("trainer parameters (shard)", self.params), ("gradients (shard)", self.grads),
-                ("AdamW moments (shard, fp32)", self.optimizer), ("engine weights (full model)", self.engine_weights),
-                ("KV cache", self.kv_cache), ("refit bucket + largest param", self.refit), ("total", self.total)]
-        lines = [f"per device, {self.world_size} data-parallel ranks:"]
+                ("AdamW moments (shard, fp32)", self.optimizer), (engine, self.engine_weights),
+                ("KV cache", self.kv_cache), (refit, self.refit), ("total", self.total)]
+        layout = "" if T == 1 else f", generation as {self.world_size // T} x TP {T}"
+        lines = [f"per device, {self.world_size} data-parallel ranks{layout}:"]
         lines += [f"  {name:<32}{b / GiB:>10.3f} GiB" for name, b in rows]
         if device_gib is not None:
             fits = self.total <= device_gib * GiB
@@ -63,34 +71,48 @@ def sharded_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return local, largest
 
 
-def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None) -> int:
-    """Bytes of one rank's rollout-engine weights (a meta model, so no memory is used)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    total, elem = 0, torch.empty((), dtype=dtype).element_size()
-    for name, p in model.named_parameters():
-        is_linear = p.dim() == 2 and "embed" not in name and "lm_head" not in name
-        if quantization and is_linear:
-            rows, cols = p.shape
-            scales = rows * 4 if quantization == "fp8" else (-(-rows // 128)) * (-(-cols // 128)) * 4
-            total += p.numel() + scales + (p.numel() * 2 if str(quantization).startswith("fp8_block") else 0)
-        else:
-            total += p.numel() * elem
-    return total
+def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one rank's rollout-engine weights: the built-in engine's model built on the
+    meta device (no memory used) as tensor-parallel rank 0 (the largest share) of its group."""
+    return sum(t.numel() * t.element_size() for t in _meta_engine_model(hf_config, dtype, quantization,
+                                                                        tensor_parallel_size).state_dict().values())
 
 
-def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype) -> int:
-    """The engine's static cache for ``batch`` rows of ``seq_len`` (MLA: its latent, not per head)."""
-    from hybridrl.rollout.model_config import kv_bytes_per_token
+def _meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size: int):
+    from hybridrl.rollout.layers.quantization import get_linear_method
+    from hybridrl.rollout.layers.tensor_parallel import TensorParallel
+    from hybridrl.rollout.model_config import parse_hf_config
 
-    return kv_bytes_per_token(hf_config, torch.empty((), dtype=dtype).element_size()) * batch * seq_len
+    cfg = parse_hf_config(hf_config)
+    tp = TensorParallel(0, tensor_parallel_size, group=object() if tensor_parallel_size > 1 else None)  # never used
+    device = torch.device("meta")
+    if cfg.v4 is not None:
+        from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+        return DeepseekV4ForCausalLM(cfg, cfg.v4, get_linear_method(quantization), 2, dtype, device)
+    from hybridrl.rollout.models.decoder import DecoderForCausalLM
+
+    return DecoderForCausalLM(cfg, get_linear_method(quantization), 2, dtype, device, tp=tp)
+
+
+def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """The engine's static cache for ``batch`` rows of ``seq_len`` (MLA: its latent, not per
+    head) on one rank; with tensor parallelism over that rank's KV heads (split, or one
+    replicated head; MLA's latent is whole on every rank)."""
+    from hybridrl.rollout.model_config import kv_bytes_per_token, parse_hf_config
+
+    per_token = kv_bytes_per_token(hf_config, torch.empty((), dtype=dtype).element_size())
+    cfg, T = parse_hf_config(hf_config), tensor_parallel_size
+    if T > 1 and cfg.mla is None and cfg.v4 is None:
+        per_token = per_token * max(cfg.num_kv_heads // T, 1) // cfg.num_kv_heads
+    return per_token * batch * seq_len
 
 
 def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, engine_dtype: torch.dtype,
-                quantization: str | None, batch: int, seq_len: int, bucket_bytes: int) -> MemoryPlan:
-    """Shard a meta-device copy of the model over a fake group of ``world_size`` ranks."""
+                quantization: str | None, batch: int, seq_len: int, bucket_bytes: int,
+                tensor_parallel_size: int = 1) -> MemoryPlan:
+    """Shard a meta-device copy of the model over a fake group of ``world_size`` ranks;
+    ``batch``: one rank's rows (a TP group's engine serves ``batch x T``)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
@@ -109,10 +131,13 @@ def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, engin
     finally:
         if owns_group:
             dist.destroy_process_group()
+    T = tensor_parallel_size
     return MemoryPlan(world_size=world_size, params=local, grads=local, optimizer=moments,
-                      engine_weights=engine_bytes(hf_config, dtype=engine_dtype, quantization=quantization),
-                      kv_cache=kv_cache_bytes(hf_config, batch=batch, seq_len=seq_len, dtype=engine_dtype),
-                      refit=bucket_bytes + largest)
+                      engine_weights=engine_bytes(hf_config, dtype=engine_dtype, quantization=quantization,
+                                                  tensor_parallel_size=T),
+                      kv_cache=kv_cache_bytes(hf_config, batch=batch * T, seq_len=seq_len, dtype=engine_dtype,
+                                              tensor_parallel_size=T),
+                      refit=bucket_bytes + -(-largest // T), tensor_parallel_size=T)
 
 
 # Published Qwen2.5 shapes, built in code (no download) for planning.
