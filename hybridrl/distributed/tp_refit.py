@@ -124,17 +124,22 @@ def _part_numel(shape: torch.Size, rows: tuple[int, int], sl: TPSlice | None) ->
 
 
 def _all_to_all(params, every: list, world: int, me: int) -> dict[str, torch.Tensor]:
+    """One exchange for same-dtype parameters. What a rank keeps of its own rows never enters
+    the buffers (views of its shard); the rest goes through one flat send and one flat
+    receive buffer, and a slice that arrives in one piece stays a view of the receive buffer."""
     rows = {n: _dim0_rows(p.shape[0], world) for n, p in params}
+    local = {n: p.to_local() for n, p in params}
     send_parts, send_sizes = [], []
-    for q in range(world):  # to each destination: my rows of its slice, parameter by parameter
-        parts = [t.reshape(-1) for n, p in params for t in _part(p.to_local(), rows[n][me], _slice_of(every[q][n]))]
+    for q in range(world):  # to each other destination: my rows of its slice, parameter by parameter
+        parts = [] if q == me else [t.reshape(-1) for n, _ in params
+                                    for t in _part(local[n], rows[n][me], _slice_of(every[q][n]))]
         send_parts.extend(parts)
         send_sizes.append(sum(t.numel() for t in parts))
-    recv_sizes = [sum(sum(_part_numel(p.shape, rows[n][r], _slice_of(every[me][n]))) for n, p in params)
-                  for r in range(world)]
-    device = params[0][1].to_local().device
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=params[0][1].dtype, device=device)
-    recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=device)
+    recv_sizes = [0 if r == me else sum(sum(_part_numel(p.shape, rows[n][r], _slice_of(every[me][n])))
+                                        for n, p in params) for r in range(world)]
+    device, dtype = local[params[0][0]].device, params[0][1].dtype
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes)
     del send, send_parts
     sources = list(recv.split(recv_sizes))
@@ -144,6 +149,10 @@ def _all_to_all(params, every: list, world: int, me: int) -> dict[str, torch.Ten
         sl = _slice_of(every[me][n])
         chunks = []  # per source, its pieces in piece order
         for r in range(world):
+            if r == me:
+                own = _part(local[n], rows[n][me], sl)
+                chunks.append(_with_empty(own, _part_numel(p.shape, rows[n][me], sl), local[n]))
+                continue
             sizes = _part_numel(p.shape, rows[n][r], sl)
             flat = sources[r][offsets[r]:offsets[r] + sum(sizes)]
             offsets[r] += sum(sizes)
@@ -152,15 +161,22 @@ def _all_to_all(params, every: list, world: int, me: int) -> dict[str, torch.Ten
     return out
 
 
+def _with_empty(parts: list[torch.Tensor], sizes: list[int], like: torch.Tensor) -> list[torch.Tensor]:
+    """``_part``'s non-empty pieces re-aligned with ``_part_numel``'s sizes (empties where 0)."""
+    it = iter(parts)
+    return [next(it) if k else like.new_empty(0) for k in sizes]
+
+
 def _assemble(shape: torch.Size, sl: TPSlice | None, chunks: list[list[torch.Tensor]],
               rows: list[tuple[int, int]]) -> torch.Tensor:
-    """This rank's slice from every source's pieces (``chunks[r]``, in piece order)."""
+    """This rank's slice from every source's pieces (``chunks[r]``, in piece order); a slice
+    that comes from one source is a view of it, not a copy."""
     if sl is None or sl.dim != 0:
         local = shape if sl is None else sl.local_shape(shape)
-        blocks = [c[0].view(b - a, *local[1:]) for c, (a, b) in zip(chunks, rows) if b > a]
-        return torch.cat(blocks) if len(blocks) > 1 else blocks[0].clone()
+        blocks = [c[0].reshape(b - a, *local[1:]) for c, (a, b) in zip(chunks, rows) if b > a]
+        return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
     inner = shape[1:]
     pieces = []
     for i in range(len(sl.pieces)):  # piece i: the sources' overlaps in row order
-        pieces.extend(c[i].view(-1, *inner) for c in chunks if c[i].numel())
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+        pieces.extend(c[i].reshape(-1, *inner) for c in chunks if c[i].numel())
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

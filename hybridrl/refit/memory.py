@@ -13,6 +13,10 @@ Device memory: the event attribute was ``self_cuda_memory_usage`` and is
 ``self_device_memory_usage`` in newer torch (the old name deprecated, then gone). The
 field is chosen by what the events have; if they have neither, this raises rather than
 reading every event as 0 bytes (a "peak" of 0 would pass any bound).
+
+Across processes (gloo collectives), :func:`peak_rss_delta` reads the kernel's resident-set
+high-water mark instead: gloo frees its buffers on its own threads, which the profiler does
+not attribute, so the replayed sum would never come back down.
 """
 from __future__ import annotations
 
@@ -56,3 +60,20 @@ def peak_extra_bytes(fn: Callable[[], object], device: str | torch.device = "cpu
     if not events:
         return 0, result
     return replay_peak(events, memory_field(events[0], device)), result
+
+
+def peak_rss_delta(fn: Callable[[], object]) -> int:
+    """Peak resident memory of this process during ``fn()`` above its start (Linux: the
+    kernel's high-water mark ``VmHWM``, reset to the current RSS through /proc/self/clear_refs)."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {key}")
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    start = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - start

@@ -94,3 +94,26 @@ def engine_equality(rank: int, world: int, port: int, family: str, out: str) -> 
     )
     torch.save(result, f"{out}.{rank}")
     finish()
+
+
+def tp_refit_memory(rank: int, world: int, port: int, bucket: int, out: str) -> None:
+    """FSDP(2) -> TP(2) refit (verified first), then the peak extra resident memory of one refit."""
+    from _workers import small_model
+
+    from hybridrl.distributed.fsdp import shard_model
+    from hybridrl.distributed.tp_refit import refit_sharded_tp
+    from hybridrl.refit.memory import peak_rss_delta
+    from hybridrl.rollout import EngineSpec, RolloutEngine
+    from hybridrl.rollout.layers.tensor_parallel import TensorParallel
+
+    init(rank, world, port)
+    model = small_model(hidden=512, vocab=4096, layers=4)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = RolloutEngine(model.config, EngineSpec(max_batch_size=2, max_seq_len=16), enforce_eager=True,
+                           tensor_parallel=TensorParallel(rank, world, dist.group.WORLD))
+    shard_model(model)
+    refit_sharded_tp(engine, model, bucket_bytes=bucket, verify=True)
+    peak = min(peak_rss_delta(lambda: refit_sharded_tp(engine, model, bucket_bytes=bucket)) for _ in range(3))
+    torch.save(dict(peak=peak, largest=largest, total=total, version=engine.weight_version), f"{out}.{rank}")
+    finish()

@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from hybridrl.refit.memory import peak_rss_delta
+
 
 def init(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -103,24 +105,6 @@ def dcp_load(rank: int, world: int, port: int, path: str, out: str) -> None:
     if rank == 0:
         torch.save(full, out)
     finish()
-
-
-def peak_rss_delta(fn) -> int:
-    """Peak resident memory of this process during ``fn()`` above its start (Linux: the
-    kernel's high-water mark, reset through /proc/self/clear_refs). The profiler's
-    allocator replay cannot be used here: gloo frees gathered buffers on its own threads,
-    which the profiler does not attribute, so its running sum never comes back down."""
-    def status(key: str) -> int:
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(f"/proc/self/status has no {key}")
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    start = status("VmRSS:")
-    fn()
-    return status("VmHWM:") - start
 
 
 def measured_state_bytes(rank: int, world: int, port: int, out: str) -> None:

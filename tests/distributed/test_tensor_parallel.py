@@ -67,3 +67,14 @@ def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_fsdp_to_tp_refit_peak_is_one_bucket_plus_a_tp_slice(tmp_path, monkeypatch):
+    # large blocks from mmap, returned at free: the high-water mark shows this refit's buffers
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+    bucket, out = 4 << 20, str(tmp_path / "mem")
+    mp.spawn(_tp_workers.tp_refit_memory, args=(2, _port(), bucket, out), nprocs=2, join=True)
+    for r in (torch.load(f"{out}.{k}") for k in range(2)):
+        assert r["version"] == 4  # the verified refit and the three measured ones all committed
+        assert r["peak"] <= bucket + r["largest"] // 2, r
+        assert r["peak"] < r["total"] // 4, r  # never near the model (or this rank's half of it)
