@@ -9,7 +9,10 @@
 #      continuous batching: requests joining / leaving across graph buckets and a refit
 #      mid-generation, graph engine == eager engine, every address kept; DeepSeek-V3 MLA:
 #      latent-space decode replay == eager after verified refits of kv_b_proj, unquantized /
-#      fp8 / fp8_block+mxfp4, the absorbed w_uk / w_uv caches kept at their addresses);
+#      fp8 / fp8_block+mxfp4, the absorbed w_uk / w_uv caches kept at their addresses;
+#      tensor-parallel engine TP=2 == the whole engine for dense / MoE / MLA: one GPU runs
+#      both ranks over gloo (eager), two GPUs run NCCL with CUDA graphs captured around the
+#      decode step's all-reduces and all-gathers);
 #   2. cuda_paths: benchmarks/cuda_paths.py (graph replay vs eager decode step, decode cost at
 #      max_seq_len 4096 vs 512, refit GB/s vs copy_; replay == eager bitwise);
 #   3. e2e: scripts/gpu_e2e.py, 5 GRPO steps of the default job on CUDA, bf16 and FP8

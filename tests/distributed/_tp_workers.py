@@ -53,17 +53,28 @@ def engine_bytes(engine) -> int:
     return sum(p.numel() * p.element_size() for p in engine.model.parameters())
 
 
-def engine_equality(rank: int, world: int, port: int, family: str, out: str) -> None:
+def engine_equality(rank: int, world: int, port: int, family: str, out: str, device: str = "cpu") -> None:
+    """``device``: "cpu" (gloo); "cuda_gloo" (both ranks on one GPU, gloo, eager); "cuda_nccl"
+    (a GPU per rank, NCCL, CUDA graphs captured around the decode step's collectives)."""
+    import os
+
     from hybridrl.refit import refit_from_model
     from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
     from hybridrl.rollout.layers.tensor_parallel import TensorParallel
 
-    init(rank, world, port)
+    if device == "cuda_nccl":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+    else:
+        init(rank, world, port)
+    on = "cpu" if device == "cpu" else "cuda"
     cfg = tp_config(family)
-    model = hf_model(cfg)
-    spec = EngineSpec(max_batch_size=64, max_seq_len=32)
-    whole = RolloutEngine(cfg, spec, enforce_eager=True)
-    sharded = RolloutEngine(cfg, spec, enforce_eager=True,
+    model = hf_model(cfg).to(on)
+    spec = EngineSpec(max_batch_size=64, max_seq_len=32, device=on)
+    eager = device != "cuda_nccl"
+    whole = RolloutEngine(cfg, spec, enforce_eager=eager)
+    sharded = RolloutEngine(cfg, spec, enforce_eager=eager,
                             tensor_parallel=TensorParallel(rank, world, dist.group.WORLD))
     refit_from_model(whole, model, verify=True)
     refit_from_model(sharded, model, verify=True)  # each rank takes its slices; the verifier checks them
@@ -73,6 +84,7 @@ def engine_equality(rank: int, world: int, port: int, family: str, out: str) -> 
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding on two rows: the masked full-sequence path
     mask[4, :9] = 0
+    ids, mask = ids.to(on), mask.to(on)
     ref = whole.runner.logits(ids, mask)[mask.bool()]
     logit_gap = float((ref - sharded.runner.logits(ids, mask)[mask.bool()]).abs().max())
 
@@ -87,6 +99,7 @@ def engine_equality(rank: int, world: int, port: int, family: str, out: str) -> 
         greedy_equal=g_whole.response_token_ids == g_sharded.response_token_ids,
         sampled_equal=s_whole.response_token_ids == s_sharded.response_token_ids,
         logprob_gap=float((s_whole.logprobs - s_sharded.logprobs).abs().max()),
+        graphs=sharded.runner.graphs is not None,
         tokens=g_sharded.response_token_ids + s_sharded.response_token_ids,
         bytes_whole=engine_bytes(whole), bytes_sharded=engine_bytes(sharded),
         kv_whole=sum(t.numel() * t.element_size() for t in whole.runner.kv_cache.tensors),

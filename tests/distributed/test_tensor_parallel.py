@@ -37,6 +37,23 @@ def test_tp2_engine_equals_the_whole_engine(tmp_path, family):
     assert ranks[0]["tokens"] == ranks[1]["tokens"]  # the group samples one sequence per request
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe", "deepseek_v3"])
+def test_tp2_engine_on_cuda_equals_the_whole_engine(tmp_path, family):
+    """One GPU: both ranks on it over gloo (eager). Two GPUs: NCCL, CUDA graphs captured
+    around the decode step's all-reduces / all-gathers (replayed for the whole generation)."""
+    device = "cuda_nccl" if torch.cuda.device_count() >= 2 else "cuda_gloo"
+    out = str(tmp_path / "tp")
+    mp.spawn(_tp_workers.engine_equality, args=(2, _port(), family, out, device), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    for r in ranks:
+        assert r["logit_gap"] <= 1e-4 * max(1.0, r["logit_scale"]), (r["logit_gap"], r["logit_scale"])  # fp32 on the GPU: looser, its kernels differ by shape
+        assert r["greedy_equal"] and r["sampled_equal"]
+        assert r["graphs"] == (device == "cuda_nccl")
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3"])
 def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
     """FSDP2 over 2 ranks, one TP=2 engine between them (refit FSDP shards -> TP shards,
@@ -78,3 +95,50 @@ def test_fsdp_to_tp_refit_peak_is_one_bucket_plus_a_tp_slice(tmp_path, monkeypat
         assert r["version"] == 4  # the verified refit and the three measured ones all committed
         assert r["peak"] <= bucket + r["largest"] // 2, r
         assert r["peak"] < r["total"] // 4, r  # never near the model (or this rank's half of it)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["launcher.nproc_per_node=3", "batch.prompts_per_step=6", "rollout.tensor_parallel_size=2"],
+     r"tensor_parallel_size=2 does not divide the 3 ranks"),
+    (["rollout.tensor_parallel_size=2"], r"tensor_parallel_size=2 needs as many ranks; the launcher starts 1"),
+    (["launcher.nproc_per_node=2", "rollout.tensor_parallel_size=2", "rollout.backend=vllm"],
+     r"tensor_parallel_size > 1 with rollout.backend=vllm"),
+    (["rollout.tensor_parallel_size=0"], r"rollout.tensor_parallel_size"),
+])
+def test_bad_tensor_parallel_configs_fail_in_one_line(overrides, match):
+    from hybridrl.config import ConfigError
+    from hybridrl.config.io import load_config
+
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kw, size, quant, match", [
+    (dict(num_attention_heads=6, num_key_value_heads=2), 4, None, r"num_attention_heads=6 does not split 4 ways"),
+    (dict(num_attention_heads=6, num_key_value_heads=3), 2, None, r"num_key_value_heads=3 can neither be split"),
+    (dict(intermediate_size=90), 4, None, r"intermediate_size=90 does not split 4 ways"),
+    (dict(), 2, "fp8", r"quantization=fp8 \(per-channel scales\)"),
+    (dict(), 2, "fp8_block", r"fp8_block needs the q rows per rank \(32\) to be a multiple of 128"),
+])
+def test_models_the_engine_cannot_split_fail_before_anything_is_built(kw, size, quant, match):
+    import transformers
+
+    from hybridrl.rollout.layers.tensor_parallel import check_tensor_parallel
+
+    cfg = transformers.Qwen2Config(**{**dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2), **kw})
+    with pytest.raises(ValueError, match=match) as err:
+        check_tensor_parallel(cfg, size, quant)
+    assert "\n" not in str(err.value)
+
+
+def test_deepseek_v4_refuses_tensor_parallelism_in_one_line():
+    import transformers
+
+    from hybridrl.rollout.layers.tensor_parallel import check_tensor_parallel
+
+    cfg = transformers.DeepseekV4Config(vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                        head_dim=32, q_lora_rank=16, o_lora_rank=16, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"not built for deepseek_v4"):
+        check_tensor_parallel(cfg, 2)
