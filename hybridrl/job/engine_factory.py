@@ -26,7 +26,8 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
         from hybridrl.vllm_backend import VllmEngine
 
         return VllmEngine(hf_config, spec, seed=t.seed, enforce_eager=r.enforce_eager,
-                          free_cache_engine=r.free_cache_engine, kv_on_refit=r.kv_on_refit)
+                          free_cache_engine=r.free_cache_engine, kv_on_refit=r.kv_on_refit,
+                          tensor_parallel=tensor_parallel if tensor_parallel.size > 1 else None)
     from hybridrl.rollout import RolloutEngine
 
     return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,

@@ -32,7 +32,10 @@ def rank_main(config_yaml: str, error_dir: str) -> None:
         line = " ".join(str(e).split()) or type(e).__name__
         Path(error_dir, f"rank{rank}").write_text(f"{type(e).__name__}: {line}")
         print(f"hybridrl: rank {rank}: {type(e).__name__}: {line}", file=sys.stderr)
-        if os.environ.get("HYBRIDRL_DEBUG"):
+        if os.environ.get("HYBRIDRL_DEBUG"):  # the agent's own log of it is silenced below
+            import traceback
+
+            traceback.print_exc()
             raise
         sys.exit(1)
 

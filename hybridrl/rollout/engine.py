@@ -46,6 +46,8 @@ class RolloutEngine(WeightUpdateBracket):
     `from_pretrained` or a refit).
     """
 
+    takes_tp_slices = True  # a tensor-parallel shard loads exactly its slices (FSDP -> TP refit)
+
     def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = False,
                  compile_decode: bool = False, record_routing: bool = False, kv_on_refit: str = "recompute",
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,

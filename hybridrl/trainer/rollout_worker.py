@@ -62,7 +62,7 @@ class RolloutWorker:
         """Write ``model``'s weights into the engine in place (the refit protocol); an
         FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``)."""
         refit = refit_from_model  # a whole model: the engine takes its tensor-parallel slices itself
-        if _is_fsdp_sharded(model) and self.mesh is not None:
+        if _is_fsdp_sharded(model) and self.mesh is not None and getattr(self.engine, "takes_tp_slices", False):
             from hybridrl.distributed.tp_refit import refit_sharded_tp as refit  # FSDP shards -> TP shards
         elif _is_fsdp_sharded(model):
             from hybridrl.distributed.refit import refit_sharded as refit

@@ -53,6 +53,7 @@ RNG states (``isolation.py``). The KV cache is sized from ``max_batch_size x max
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -98,8 +99,10 @@ class VllmEngine(WeightUpdateBracket):
 
     def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = True,
                  free_cache_engine: bool = False, kv_cache_memory_bytes: int | None = None, seed: int = 0,
-                 check_reload: bool = True, kv_on_refit: str = "recompute", **llm_kwargs):
+                 check_reload: bool = True, kv_on_refit: str = "recompute", tensor_parallel: Any = None,
+                 **llm_kwargs):
         check_kv_on_refit(kv_on_refit)
+        tp_size = 1 if tensor_parallel is None else tensor_parallel.size
         on_cpu = torch.device(spec.device).type == "cpu"
         vllm_quant = vllm_quantization(spec.quantization, spec.dtype, on_cpu)  # one-line ValueError first
         if spec.dtype not in VLLM_DTYPES:
@@ -125,6 +128,20 @@ class VllmEngine(WeightUpdateBracket):
                     generation_config="vllm", enable_prefix_caching=True, disable_log_stats=True,
                     # CPU: vLLM refuses sleep mode; its CPU worker ignores sleep / wake_up (sleep.py)
                     enable_sleep_mode=free_cache_engine and not on_cpu)
+        if tp_size > 1:  # one shard per rank, in this process, over the trainer's torch.distributed world
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_world_size() != tp_size:
+                raise ValueError(f"VllmEngine: tensor_parallel_size={tp_size} runs vLLM's external_launcher over the "
+                                 f"whole torch.distributed world, which has "
+                                 f"{dist.get_world_size() if dist.is_initialized() else 1} ranks; use "
+                                 "rollout.tensor_parallel_size = the number of ranks")
+            args.update(tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher")
+            # vLLM's CPU all-reduce keeps /dev/shm segments named after the group alone (with
+            # external_launcher: "-tp:0-[0-1]-cpushm_<rank>") and never unlinks them, so the next
+            # engine on the host fails with "create shm in SHMManager failed. errno: 17". The
+            # ones this construction creates are removed by close().
+            shm_before = set(_cpu_shm_segments())
         if vllm_quant is not None:
             args["quantization"] = vllm_quant
         if on_cpu and is_mla(hf_config):
@@ -136,6 +153,7 @@ class VllmEngine(WeightUpdateBracket):
         except BaseException:
             shutil.rmtree(self._config_dir, ignore_errors=True)
             raise
+        self._shm_segments = sorted(set(_cpu_shm_segments()) - shm_before) if tp_size > 1 else []
         self._vllm_sampling_params = vllm.SamplingParams
         self.model = self.llm.apply_model(lambda m: m)[0]  # in-process: the live vLLM module
         self.weight_routes = VllmWeightRoutes(hf_config, self.model, self.dtype)
@@ -151,6 +169,9 @@ class VllmEngine(WeightUpdateBracket):
         """Shut vLLM down and remove the config directory (the engine is unusable after)."""
         shutdown_llm(self.__dict__.pop("llm", None))
         shutil.rmtree(self._config_dir, ignore_errors=True)
+        for path in self.__dict__.pop("_shm_segments", []):  # tensor parallel: vLLM's CPU segments (__init__)
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
     def __del__(self):
         with contextlib.suppress(Exception):
@@ -376,3 +397,10 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return t.clone()
+
+
+def _cpu_shm_segments() -> list[str]:
+    """vLLM's CPU shared-memory all-reduce segments on this host (``/dev/shm/*cpushm*``)."""
+    import glob
+
+    return glob.glob("/dev/shm/*cpushm*")

@@ -17,6 +17,12 @@ It has the interface ``hybridrl.refit`` uses on the built-in engine's ``weight_r
   the buffer the rollouts are computed with. Cost: a K-token forward per layer, paid only
   by ``verify=True``. Other weights (embedding, norms, biases) are read from their
   parameters.
+- **Tensor parallel** (vLLM's ``external_launcher``, one shard per rank): vLLM's loaders
+  take the whole HF tensor and keep their partition; a route records that partition as a
+  :class:`TPSlice` (``tp``: q heads and their KV head, replicated when fewer than ranks, as
+  ``num_kv_head_replicas`` says; column / row shares; the vocabulary range of
+  ``shard_indices``) and ``rows`` as the local rows, so ``held()`` is this rank's part and
+  ``expected_held(t)`` slices the sent tensor the same way. ``held_shape``: that part's shape.
 - **FP8 layers** (``quantization="fp8"``, fp8.py): ``held()`` is the float32 dequantization of
   the live e4m3 weight and its per-row scales, ``expected_held(t)`` vLLM's quantization of
   ``t`` dequantized the same way: exact, like the built-in engine's FP8 routes.
@@ -30,6 +36,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from hybridrl.rollout.layers.tensor_parallel import TPSlice, take_local
 from hybridrl.vllm_backend.fp8 import expected_dequantized, held_dequantized, is_fp8_linear
 
 TIED_HEAD = "lm_head.weight"
@@ -54,10 +61,18 @@ class VllmWeightRoute:
     fp8: torch.dtype | None = None
     """the e4m3 dtype when vLLM quantized this weight online to FP8 (per output row)."""
     table: Any = None
+    tp: TPSlice | None = None
+    """the part of the HF tensor this rank's vLLM shard holds (tensor parallel); None: all."""
+
+    @property
+    def held_shape(self) -> torch.Size:
+        """The shape of what this rank holds (== ``shape`` without tensor parallelism)."""
+        return self.shape if self.tp is None else self.tp.local_shape(self.shape)
 
     def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
         """What ``held()`` returns once this tensor was loaded: the cast to the engine dtype,
-        or (FP8) its per-row quantization, dequantized to float32."""
+        or (FP8) its per-row quantization, dequantized to float32 (this rank's part)."""
+        tensor = take_local(tensor, self.shape, self.tp)
         if self.fp8 is not None:
             return expected_dequantized(tensor, self.dtype, self.fp8)
         return tensor.detach().to(self.dtype)
@@ -87,7 +102,7 @@ class VllmWeightRoutes:
     def _resolve(self, name: str, shape: torch.Size, part_to_fused) -> VllmWeightRoute:
         module_path, leaf = name.rsplit(".", 1)
         parent, _, last = module_path.rpartition(".")
-        rows = slice(0, shape[0])
+        rows, index = slice(0, shape[0]), None
         if last in part_to_fused:
             fused, index = part_to_fused[last]
             module_path = f"{parent}.{fused}" if parent else fused
@@ -100,12 +115,17 @@ class VllmWeightRoutes:
             rows = slice(start, start + sizes[index])
         else:
             module = self._module(module_path, name)
-        if rows.stop - rows.start != shape[0]:
-            raise ValueError(f"VllmEngine: {name!r} has {shape[0]} rows in the HF model but {rows.stop - rows.start} "
-                             f"in vLLM's {module_path}; the configs disagree")
+        tp = None
+        if getattr(module, "tp_size", 1) > 1:
+            rows, tp = _partition(module, leaf, shape, index)
+        held = shape if tp is None else tp.local_shape(shape)
+        if rows.stop - rows.start != held[0]:
+            raise ValueError(f"VllmEngine: {name!r} has {held[0]} rows in the HF model (this rank's part) but "
+                             f"{rows.stop - rows.start} in vLLM's {module_path}; the configs disagree")
         packed = leaf == "weight" and is_packed_gemm(module)
         fp8 = module.weight.dtype if packed and is_fp8_linear(module) else None
-        return VllmWeightRoute(name, shape, self.dtype, module_path, leaf, rows, packed=packed, fp8=fp8, table=self)
+        return VllmWeightRoute(name, shape, self.dtype, module_path, leaf, rows, packed=packed, fp8=fp8, table=self,
+                               tp=tp)
 
     def _module(self, path: str, name: str) -> nn.Module:
         try:
@@ -138,8 +158,8 @@ class VllmWeightRoutes:
         if route.packed:
             if route.module_name not in self._readback:
                 self._readback[route.module_name] = (
-                    held_dequantized(module, module.output_size_per_partition, route.shape[1]) if route.fp8 is not None
-                    else read_packed_weight(module, route.shape[1], self.dtype))
+                    held_dequantized(module, module.output_size_per_partition, route.held_shape[1])
+                    if route.fp8 is not None else read_packed_weight(module, route.held_shape[1], self.dtype))
             full = self._readback[route.module_name]
         else:
             full = getattr(module, route.leaf).data
@@ -156,6 +176,38 @@ class VllmWeightRoutes:
             if r.packed:
                 groups.setdefault(r.module_name, []).append(r)
         return {m: sorted(rs, key=lambda r: r.rows.start) for m, rs in groups.items()}
+
+
+def _partition(module: nn.Module, leaf: str, shape: torch.Size, index: int | None) -> tuple[slice, TPSlice | None]:
+    """(local rows, the HF tensor's part) that vLLM's tensor-parallel ``module`` keeps on this
+    rank, read off the layer's own partition attributes (``index``: the fused shard)."""
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    r, T = module.tp_rank, module.tp_size
+    if isinstance(module, VocabParallelEmbedding):  # ParallelLMHead too
+        si = module.shard_indices
+        n = si.org_vocab_end_index - si.org_vocab_start_index
+        return slice(0, n), TPSlice(0, ((si.org_vocab_start_index, n),))
+    if isinstance(module, RowParallelLinear):
+        k = module.input_size_per_partition
+        return slice(0, shape[0]), (TPSlice(1, ((r * k, k),)) if leaf == "weight" else None)
+    if isinstance(module, QKVParallelLinear):
+        D = module.head_size
+        q, kv = module.num_heads * D, module.num_kv_heads * D
+        local = [q, kv, kv]
+        first = [r * q, (r // module.num_kv_head_replicas) * kv, (r // module.num_kv_head_replicas) * kv]
+        start = sum(local[:index])
+        return slice(start, start + local[index]), TPSlice(0, ((first[index], local[index]),))
+    if isinstance(module, MergedColumnParallelLinear):
+        local = [n // T for n in module.output_sizes]
+        start = sum(local[:index])
+        return slice(start, start + local[index]), TPSlice(0, ((r * local[index], local[index]),))
+    if isinstance(module, ColumnParallelLinear):
+        n = module.output_size_per_partition
+        return slice(0, n), TPSlice(0, ((r * n, n),))
+    return slice(0, shape[0]), None  # replicated (norms, routers)
 
 
 def is_packed_gemm(module: nn.Module) -> bool:
