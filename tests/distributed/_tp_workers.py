@@ -130,3 +130,37 @@ def tp_refit_memory(rank: int, world: int, port: int, bucket: int, out: str) -> 
     peak = min(peak_rss_delta(lambda: refit_sharded_tp(engine, model, bucket_bytes=bucket)) for _ in range(3))
     torch.save(dict(peak=peak, largest=largest, total=total, version=engine.weight_version), f"{out}.{rank}")
     finish()
+
+
+def quantized_shards(rank: int, world: int, port: int, quantization: str, out: str) -> None:
+    """Each TP rank's quantized weights (dequantized, as the verifier reads them) vs the same
+    slice of the whole engine's: block-FP8 tiles and MXFP4 blocks quantized per shard must give
+    the unsharded scales and codes exactly."""
+    from hybridrl.refit import refit_from_model
+    from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+    from hybridrl.rollout.layers.tensor_parallel import TensorParallel, take_local
+
+    init(rank, world, port)
+    # every shard owns whole 128x128 tiles (q/k/v rows, o_proj and MLP columns per rank = 128)
+    # and whole 32-blocks (the experts' width per rank = 32)
+    cfg = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, intermediate_size=256, moe_intermediate_size=64,
+                                      num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=256,
+                                      mlp_only_layers=[1], max_position_embeddings=64, tie_word_embeddings=False)
+    model = hf_model(cfg)
+    spec = EngineSpec(max_batch_size=8, max_seq_len=24, quantization=quantization)
+    whole = RolloutEngine(cfg, spec, enforce_eager=True)
+    shard = RolloutEngine(cfg, spec, enforce_eager=True, tensor_parallel=TensorParallel(rank, world, dist.group.WORLD))
+    refit_from_model(whole, model, verify=True)
+    refit_from_model(shard, model, verify=True)
+    unequal, compared = [], 0
+    for route in shard.weight_routes:
+        ref = take_local(whole.weight_routes[route.hf_name].held(), route.shape, route.tp)
+        compared += 1
+        if not torch.equal(route.held(), ref):
+            unequal.append(route.hf_name)
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    same = whole.generate(prompts, greedy).response_token_ids == shard.generate(prompts, greedy).response_token_ids
+    torch.save(dict(unequal=unequal, compared=compared, greedy_equal=same), f"{out}.{rank}")
+    finish()

@@ -142,3 +142,12 @@ def test_deepseek_v4_refuses_tensor_parallelism_in_one_line():
                                         head_dim=32, q_lora_rank=16, o_lora_rank=16, moe_intermediate_size=32)
     with pytest.raises(ValueError, match=r"not built for deepseek_v4"):
         check_tensor_parallel(cfg, 2)
+
+
+@pytest.mark.parametrize("quantization", ["fp8_block+mxfp4"])
+def test_quantized_shards_hold_the_unsharded_values(tmp_path, quantization):
+    out = str(tmp_path / "q")
+    mp.spawn(_tp_workers.quantized_shards, args=(2, _port(), quantization, out), nprocs=2, join=True)
+    for r in (torch.load(f"{out}.{k}") for k in range(2)):
+        assert r["compared"] > 20 and r["unequal"] == [], r["unequal"]
+        assert r["greedy_equal"]
