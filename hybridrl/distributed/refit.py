@@ -5,6 +5,8 @@ being gathered — never the unsharded model."""
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 
 from hybridrl.distributed.fsdp import iter_full_parameter_buckets
@@ -13,11 +15,19 @@ from hybridrl.refit.transport import named_persistent_buffers
 
 
 def refit_sharded(engine, model: torch.nn.Module, *, bucket_bytes: int, verify: bool = False) -> RefitStats:
-    buffers = named_persistent_buffers(model)  # replicated on every rank: no gather
+    return refit_buckets(engine, model, lambda: iter_full_parameter_buckets(model, bucket_bytes), verify=verify)
+
+
+def refit_buckets(engine, model: torch.nn.Module, buckets: Callable[[], Iterable[list]], *,
+                  verify: bool = False) -> RefitStats:
+    """One refit of ``engine`` from the sharded ``model``: announce every parameter and
+    persistent buffer, load each bucket ``buckets()`` yields (collectives inside, in step on
+    every rank), then the buffers (replicated on every rank: no gather); abort on any error."""
+    buffers = named_persistent_buffers(model)
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in buffers]
     refit = Refit(engine, verify=verify).begin(names)
     try:
-        for bucket in iter_full_parameter_buckets(model, bucket_bytes):  # one all-gather per bucket, every rank
+        for bucket in buckets():
             refit.load(bucket)
         if buffers:
             refit.load(buffers)

@@ -21,36 +21,30 @@ memory bound is the point there (``benchmarks/tensor_parallel.py`` measures both
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridrl.distributed.fsdp import _dim0_rows, full_tensor
-from hybridrl.refit import Refit, RefitStats
-from hybridrl.refit.transport import named_persistent_buffers
+from hybridrl.distributed.refit import refit_buckets
+from hybridrl.refit import RefitStats
+from hybridrl.refit.bucket import group_by_bytes
 from hybridrl.rollout.layers.tensor_parallel import TPSlice
 
 
 def refit_sharded_tp(engine, model: torch.nn.Module, *, bucket_bytes: int, verify: bool = False) -> RefitStats:
     """Refit ``engine`` (this rank's TP shard) from the FSDP2-sharded ``model``; every rank calls it."""
-    buffers = named_persistent_buffers(model)  # replicated on every rank: sliced by the engine
     params = [(n, p.detach()) for n, p in model.named_parameters()]
     routes = engine.weight_routes
-    refit = Refit(engine, verify=verify).begin([n for n, _ in params] + [n for n, _ in buffers])
-    try:
+
+    def buckets():
         mine = {n: _route_slice(routes, n) for n, _ in params}
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)  # each rank's slice of each name
-        for bucket in _buckets(params, bucket_bytes):
-            refit.load(_exchange(bucket, every, routes))
-        if buffers:
-            refit.load(buffers)
-    except BaseException:
-        refit.abort()
-        raise
-    return refit.finish()
+        for bucket in group_by_bytes(params, bucket_bytes):  # whole-tensor bytes: a bound on what arrives
+            yield _exchange(bucket, every, routes)
+
+    return refit_buckets(engine, model, buckets, verify=verify)  # buffers: whole, sliced by the engine
 
 
 def _route_slice(routes, name: str):
@@ -58,19 +52,6 @@ def _route_slice(routes, name: str):
         return "skip"  # a tied head (the refit accepts and skips it); unknown names fail in load()
     tp = routes[name].tp
     return None if tp is None else (tp.dim, tp.pieces)
-
-
-def _buckets(params, bucket_bytes: int) -> Iterator[list]:
-    chunk, size = [], 0
-    for name, p in params:
-        n = p.numel() * p.element_size()  # whole-tensor bytes: an upper bound on what arrives
-        if chunk and size + n > bucket_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((name, p))
-        size += n
-    if chunk:
-        yield chunk
 
 
 def _exchange(bucket, every: list, routes) -> list[tuple[str, torch.Tensor]]:
