@@ -89,7 +89,7 @@ def _meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size: int
     if cfg.v4 is not None:
         from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-        return DeepseekV4ForCausalLM(cfg, cfg.v4, get_linear_method(quantization), 2, dtype, device)
+        return DeepseekV4ForCausalLM(cfg, cfg.v4, get_linear_method(quantization), 2, dtype, device, tp=tp)
     from hybridrl.rollout.models.decoder import DecoderForCausalLM
 
     return DecoderForCausalLM(cfg, get_linear_method(quantization), 2, dtype, device, tp=tp)

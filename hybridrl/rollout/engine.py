@@ -76,12 +76,9 @@ class RolloutEngine(WeightUpdateBracket):
         if self.config.v4 is not None:
             from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-            if tensor_parallel.size > 1:
-                raise ValueError("RolloutEngine: tensor parallelism is not built for deepseek_v4 (hyper-connections, "
-                                 "compressors and the indexer are whole-model); use rollout.tensor_parallel_size=1")
 
             self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(spec.quantization),
-                                               self.max_seq_len, self.dtype, self.device)
+                                               self.max_seq_len, self.dtype, self.device, tp=tensor_parallel)
         else:
             self.model = DecoderForCausalLM(self.config, get_linear_method(spec.quantization), self.max_seq_len,
                                             self.dtype, self.device, tp=tensor_parallel)

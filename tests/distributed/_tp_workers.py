@@ -31,6 +31,15 @@ def tp_config(family: str):
                                              qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
                                              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                              moe_intermediate_size=32, n_shared_experts=1, num_mtp_layers=0)
+    if family == "deepseek_v4":  # every layer type, hash + top-k routers, 2 hyper-connection streams
+        return transformers.DeepseekV4Config(
+            vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            head_dim=32, partial_rotary_factor=0.5, q_lora_rank=24, o_groups=2, o_lora_rank=16, hc_mult=2,
+            sliding_window=8, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe"], index_n_heads=16, index_head_dim=16, index_topk=2,
+            n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0, scoring_func="sigmoid",
+            swiglu_limit=10.0, tie_word_embeddings=False, max_position_embeddings=512)
     raise KeyError(family)
 
 
@@ -46,6 +55,13 @@ def hf_model(cfg, seed: int = 0):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.12))
+        g = torch.Generator().manual_seed(seed)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: every token its own k distinct experts
+                b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                                     for _ in range(b.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
     return model.eval()
 
 
@@ -102,8 +118,8 @@ def engine_equality(rank: int, world: int, port: int, family: str, out: str, dev
         graphs=sharded.runner.graphs is not None,
         tokens=g_sharded.response_token_ids + s_sharded.response_token_ids,
         bytes_whole=engine_bytes(whole), bytes_sharded=engine_bytes(sharded),
-        kv_whole=sum(t.numel() * t.element_size() for t in whole.runner.kv_cache.tensors),
-        kv_sharded=sum(t.numel() * t.element_size() for t in sharded.runner.kv_cache.tensors),
+        kv_whole=sum(t.numel() * t.element_size() for _, t in whole.runner.kv_cache.named_tensors()),
+        kv_sharded=sum(t.numel() * t.element_size() for _, t in sharded.runner.kv_cache.named_tensors()),
     )
     torch.save(result, f"{out}.{rank}")
     finish()

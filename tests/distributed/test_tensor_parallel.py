@@ -19,7 +19,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama_kv1", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama_kv1", "qwen2_moe", "deepseek_v3", "deepseek_v4"])
 def test_tp2_engine_equals_the_whole_engine(tmp_path, family):
     out = str(tmp_path / "tp")
     mp.spawn(_tp_workers.engine_equality, args=(2, _port(), family, out), nprocs=2, join=True)
@@ -30,8 +30,10 @@ def test_tp2_engine_equals_the_whole_engine(tmp_path, family):
         assert r["greedy_equal"] and r["sampled_equal"]
         assert r["logprob_gap"] < 1e-5, r["logprob_gap"]
         # weights per rank: half of every split layer; the norms, routers (and MLA's
-        # down-projections) stay whole
-        assert r["bytes_sharded"] <= 0.62 * r["bytes_whole"], (r["bytes_sharded"], r["bytes_whole"])
+        # down-projections; V4's shared KV head, compressors, indexer and hyper-connections, a
+        # larger share at this tiny width) stay whole
+        bound = 0.66 if family == "deepseek_v4" else 0.62
+        assert r["bytes_sharded"] <= bound * r["bytes_whole"], (r["bytes_sharded"], r["bytes_whole"])
         if family == "qwen2":  # KV heads split: half the cache; replicated (kv1) / latent (MLA): all of it
             assert r["kv_sharded"] * 2 == r["kv_whole"]
     assert ranks[0]["tokens"] == ranks[1]["tokens"]  # the group samples one sequence per request
@@ -54,7 +56,7 @@ def test_tp2_engine_on_cuda_equals_the_whole_engine(tmp_path, family):
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3", "deepseek_v4"])
 def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
     """FSDP2 over 2 ranks, one TP=2 engine between them (refit FSDP shards -> TP shards,
     verified), against one process with a whole engine: the same rollouts, the same losses."""
@@ -64,7 +66,7 @@ def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
     # the KL term make every step move the weights whatever the rewards
     extra = ["trainer.total_steps=3", "data.num_digits=1", "warm_start.steps=150", "warm_start.lr=3e-3",
              "algo.policy_loss.entropy_coeff=0.01", "algo.kl.coef=0.05"]
-    extra += ["model.arch=deepseek_v3", "rollout.routing_replay=true"] if arch == "deepseek_v3" else []
+    extra += [f"model.arch={arch}", "rollout.routing_replay=true"] if arch != "qwen2" else []
     one = train_subprocess(tmp_path, "one", extra)
     assert one.returncode == 0, one.stderr[-3000:]
     two = train_subprocess(tmp_path, "two", extra + ["launcher.nproc_per_node=2", "rollout.tensor_parallel_size=2"])
@@ -133,15 +135,17 @@ def test_models_the_engine_cannot_split_fail_before_anything_is_built(kw, size, 
     assert "\n" not in str(err.value)
 
 
-def test_deepseek_v4_refuses_tensor_parallelism_in_one_line():
+def test_deepseek_v4_groups_that_do_not_split_fail_in_one_line():
     import transformers
 
     from hybridrl.rollout.layers.tensor_parallel import check_tensor_parallel
 
-    cfg = transformers.DeepseekV4Config(vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
-                                        head_dim=32, q_lora_rank=16, o_lora_rank=16, moe_intermediate_size=32)
-    with pytest.raises(ValueError, match=r"not built for deepseek_v4"):
+    cfg = transformers.DeepseekV4Config(vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                        head_dim=32, q_lora_rank=16, o_groups=1, o_lora_rank=16,
+                                        moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"o_groups=1 does not split 2 ways") as err:
         check_tensor_parallel(cfg, 2)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("quantization", ["fp8_block+mxfp4"])

@@ -118,6 +118,14 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
+def mark_split(param, hf_shape, tp_slice: TPSlice | None):
+    """Mark a plain (non-linear) parameter that holds ``tp_slice`` of an HF tensor of
+    ``hf_shape``, for its route (``weight_routes.py``); returns it. No-op for ``None``."""
+    if tp_slice is not None:
+        param.hf_shape, param.tp_slice = torch.Size(hf_shape), tp_slice
+    return param
+
+
 SINGLE = TensorParallel()
 """No tensor parallelism: every layer whole, no collectives."""
 
@@ -140,11 +148,10 @@ def check_tensor_parallel(hf_config, size: int, quantization: str | None = None)
 
     cfg = parse_hf_config(hf_config)
     where = f"rollout.tensor_parallel_size={size} with {cfg.model_type}"
-    if cfg.v4 is not None:
-        raise ValueError(f"{where}: tensor parallelism is not built for deepseek_v4 (hyper-connections, "
-                         "compressors and the indexer are whole-model); use rollout.tensor_parallel_size=1")
     widths = {"num_attention_heads": cfg.num_heads}
-    if cfg.mla is None:
+    if cfg.v4 is not None:  # heads split by o_groups (each rank whole groups); MoE in every layer
+        widths["o_groups"] = cfg.v4.o_groups
+    elif cfg.mla is None:
         widths["intermediate_size"] = cfg.intermediate_size
     elif cfg.moe_layers != tuple(range(cfg.num_layers)):
         widths["intermediate_size"] = cfg.intermediate_size
@@ -155,7 +162,7 @@ def check_tensor_parallel(hf_config, size: int, quantization: str | None = None)
     for key, n in widths.items():
         if n % size:
             raise ValueError(f"{where}: {key}={n} does not split {size} ways; use a size that divides it")
-    if cfg.mla is None and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+    if cfg.mla is None and cfg.v4 is None and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         raise ValueError(f"{where}: num_key_value_heads={cfg.num_kv_heads} can neither be split nor replicated "
                          f"{size} ways; use a size that divides it or a multiple of it")
     if cfg.o_bias or cfg.mlp_bias:
@@ -168,7 +175,13 @@ def check_tensor_parallel(hf_config, size: int, quantization: str | None = None)
                          "with the shards) or tensor_parallel_size=1")
     if dense is not None and dense.startswith("fp8_block"):  # 128x128 tiles: each shard must own whole tiles
         T, m = size, cfg.mla
-        if m is None:
+        if cfg.v4 is not None:
+            v = cfg.v4
+            rows = {"q_b_proj rows per rank": cfg.num_heads // T * v.head_dim,
+                    "o_a_proj rows per rank": v.o_groups // T * v.o_lora_rank,
+                    "o_b_proj columns per rank": v.o_groups // T * v.o_lora_rank,
+                    "shared expert width per rank": cfg.moe_intermediate_size // T}
+        elif m is None:
             kvh = cfg.num_kv_heads // T if cfg.num_kv_heads % T == 0 else 1
             rows = {"q rows per rank": cfg.num_heads // T * cfg.head_dim, "k / v rows per rank": kvh * cfg.head_dim,
                     "o_proj columns per rank": cfg.num_heads // T * cfg.head_dim}

@@ -31,9 +31,10 @@ from torch import nn
 
 from hybridrl.rollout.deepseek_v4_config import V4Dims
 from hybridrl.rollout.layers.hyper_connection import loaded_param, unweighted_rms_norm
-from hybridrl.rollout.layers.linear import LinearBase, ReplicatedLinear
+from hybridrl.rollout.layers.linear import ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import RMSNorm
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, mark_split
 from hybridrl.rollout.v4_state import ring_positions
 
 
@@ -78,9 +79,14 @@ class GroupedLinear(LinearBase):
 
     needs_dense_weight = True  # fp8_linear: keep the dequantized cache even where _scaled_mm could run
 
-    def __init__(self, in_per_group: int, out_features: int, n_groups: int, **kw):
-        self.n_groups = n_groups
-        super().__init__(in_per_group, [out_features], bias=False, **kw)
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int, tp: TensorParallel = SINGLE, **kw):
+        """Tensor parallel: this rank's ``n_groups / T`` groups (the heads it holds)."""
+        g0, local = tp.split(n_groups, "o_groups")
+        per = out_features // n_groups
+        sl = None if tp.size == 1 else [TPSlice(0, ((g0 * per, local * per),))]
+        self.n_groups = local
+        super().__init__(in_per_group, [local * per], bias=False, tp_slices=sl,
+                         hf_sizes=(in_per_group, [out_features]), **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = getattr(self, "weight_dequant", None)
@@ -211,23 +217,32 @@ class Indexer(_Compressor):
 
 
 class V4Attention(nn.Module):
+    """Tensor parallel (``tp``): this rank's heads (whole ``o_groups``; their ``q_b_proj`` rows,
+    sinks and ``o_a_proj`` groups), ``o_b_proj`` row-parallel with one all-reduce. The shared KV
+    head, the compressors and the lightning indexer (its own heads) stay whole on every rank,
+    so every rank keeps the same state and the indexer picks the same entries on every rank."""
+
     def __init__(self, hidden: int, heads: int, dims: V4Dims, layer_type: str, eps: float,
-                 method: LinearMethodBase, dtype, device, prefix: str):
+                 method: LinearMethodBase, dtype, device, prefix: str, tp: TensorParallel = SINGLE):
         super().__init__()
         D = dims.head_dim
-        self.heads, self.head_dim, self.window, self.eps = heads, D, dims.sliding_window, eps
+        h0, local = tp.split(heads, "the attention heads")
+        self.heads, self.head_dim, self.window, self.eps = local, D, dims.sliding_window, eps
         self.layer_type, self.dims = layer_type, dims
         self.rope = "main" if layer_type == "sliding_attention" else "compress"
         kw = dict(bias=False, method=method, dtype=dtype, device=device)
         self.q_a_proj = ReplicatedLinear(hidden, dims.q_lora_rank, prefix=f"{prefix}.q_a_proj", **kw)
         self.q_a_norm = RMSNorm(dims.q_lora_rank, eps, dtype, device)
-        self.q_b_proj = ReplicatedLinear(dims.q_lora_rank, heads * D, prefix=f"{prefix}.q_b_proj", **kw)
+        self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, heads * D, tp=tp, unit=D, what="the attention heads",
+                                             prefix=f"{prefix}.q_b_proj", **kw)
         self.kv_proj = ReplicatedLinear(hidden, D, prefix=f"{prefix}.kv_proj", **kw)
         self.kv_norm = RMSNorm(D, eps, dtype, device)
         self.o_a_proj = GroupedLinear(heads * D // dims.o_groups, dims.o_groups * dims.o_lora_rank, dims.o_groups,
-                                      prefix=f"{prefix}.o_a_proj", method=method, dtype=dtype, device=device)
-        self.o_b_proj = ReplicatedLinear(dims.o_groups * dims.o_lora_rank, hidden, prefix=f"{prefix}.o_b_proj", **kw)
-        self.sinks = loaded_param(heads, dtype=dtype, device=device)
+                                      tp=tp, prefix=f"{prefix}.o_a_proj", method=method, dtype=dtype, device=device)
+        self.o_b_proj = RowParallelLinear(dims.o_groups * dims.o_lora_rank, hidden, tp=tp, unit=dims.o_lora_rank,
+                                          what="o_groups", prefix=f"{prefix}.o_b_proj", **kw)
+        self.sinks = mark_split(loaded_param(local, dtype=dtype, device=device), [heads],
+                                None if tp.size == 1 else TPSlice(0, ((h0, local),)))
         self.compressor = None
         if layer_type == "heavily_compressed_attention":
             self.compressor = _Compressor(hidden, D, dims.hca_rate, False, eps, dtype, device, f"{prefix}.compressor")
@@ -252,7 +267,7 @@ class V4Attention(nn.Module):
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
         o = torch.matmul(probs.to(keys.dtype), keys)  # (B, H, S, D): V is the same rotated kv
         o = rotate_tail(o, cos, -sin).transpose(1, 2)  # conjugate rotation at the query position
-        z = self.o_a_proj(o.reshape(B, S, self.dims.o_groups, -1)).flatten(2)
+        z = self.o_a_proj(o.reshape(B, S, self.o_a_proj.n_groups, -1)).flatten(2)
         return self.o_b_proj(z)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, rotary: V4Rotary,

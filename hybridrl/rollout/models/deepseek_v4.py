@@ -23,9 +23,10 @@ from hybridrl.rollout.deepseek_v4_config import V4Dims
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
 from hybridrl.rollout.layers.fused_moe import FusedExperts, FusedMoEMethodBase, UnquantizedFusedMoEMethod, swiglu
 from hybridrl.rollout.layers.hyper_connection import HyperConnection, HyperHead, expand
-from hybridrl.rollout.layers.linear import MergedColumnLinear, ReplicatedLinear
+from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm, copy_loader
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.layers.v4_attention import V4Attention, V4Rotary
 from hybridrl.rollout.model_config import ModelConfig
 from hybridrl.rollout.models.moe import RoutingTap
@@ -36,11 +37,14 @@ SCORE_FNS = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.si
 class SharedMLP(nn.Module):
     """The shared expert: fused gate_up, clamped SwiGLU, down."""
 
-    def __init__(self, hidden: int, width: int, limit: float, method: LinearMethodBase, dtype, device, prefix: str):
+    def __init__(self, hidden: int, width: int, limit: float, method: LinearMethodBase, dtype, device, prefix: str,
+                 tp: TensorParallel = SINGLE):
+        """Tensor parallel: a share of the width; ``down_proj``'s partial sum is left to the MoE block."""
         super().__init__()
         kw = dict(bias=False, method=method, dtype=dtype, device=device)
-        self.gate_up_proj = MergedColumnLinear(hidden, [width] * 2, prefix=f"{prefix}.gate_up_proj", **kw)
-        self.down_proj = ReplicatedLinear(width, hidden, prefix=f"{prefix}.down_proj", **kw)
+        self.gate_up_proj = MergedColumnLinear(hidden, [width] * 2, tp=tp, prefix=f"{prefix}.gate_up_proj", **kw)
+        self.down_proj = RowParallelLinear(width, hidden, tp=tp, what="the shared expert width", reduce=False,
+                                           prefix=f"{prefix}.down_proj", **kw)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,16 +90,16 @@ class V4MoE(RoutingTap, nn.Module):
     (its choice is ``tid2eid[token]``, the same in the trainer by construction)."""
 
     def __init__(self, cfg: ModelConfig, dims: V4Dims, hashed: bool, moe_index: int, method: LinearMethodBase,
-                 moe_method: FusedMoEMethodBase, dtype, device, prefix: str):
+                 moe_method: FusedMoEMethodBase, dtype, device, prefix: str, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.top_k, self.records_routing = cfg.num_experts_per_tok, not hashed
+        self.top_k, self.records_routing, self.tp = cfg.num_experts_per_tok, not hashed, tp
         self._init_routing_tap(moe_index)
-        self.gate = V4Router(cfg, dims, hashed, dtype, device)
+        self.gate = V4Router(cfg, dims, hashed, dtype, device)  # whole on every rank: the same choices
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, method=moe_method,
                                     dtype=dtype, device=device, prefix=f"{prefix}.experts",
-                                    swiglu_limit=dims.swiglu_limit)
+                                    swiglu_limit=dims.swiglu_limit, tp=tp)
         self.shared_experts = SharedMLP(cfg.hidden_size, cfg.moe_intermediate_size, dims.swiglu_limit, method,
-                                        dtype, device, f"{prefix}.shared_experts")
+                                        dtype, device, f"{prefix}.shared_experts", tp=tp)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         B, S, H = x.shape
@@ -103,19 +107,21 @@ class V4MoE(RoutingTap, nn.Module):
         ids, weights = self.gate(h, input_ids.reshape(-1))
         if self.records_routing:
             self.tap_routing(ids, decoding)
-        return (self.experts(h, ids, weights.to(h.dtype)) + self.shared_experts(h)).view(B, S, H)
+        out = self.experts(h, ids, weights.to(h.dtype)) + self.shared_experts(h)
+        return self.tp.all_reduce_(out).view(B, S, H)  # the experts' and the shared expert's partial sums
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: V4Dims, idx: int, method, moe_method, dtype, device, prefix: str):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, idx: int, method, moe_method, dtype, device, prefix: str,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         eps, H = cfg.rms_norm_eps, cfg.hidden_size
         self.self_attn = V4Attention(H, cfg.num_heads, dims, dims.layer_types[idx], eps, method, dtype, device,
-                                     f"{prefix}.self_attn")
+                                     f"{prefix}.self_attn", tp=tp)
         topk_layers = [i for i, t in enumerate(dims.mlp_layer_types) if t != "hash_moe"]
         hashed = idx not in topk_layers
         self.mlp = V4MoE(cfg, dims, hashed, -1 if hashed else topk_layers.index(idx), method, moe_method, dtype,
-                         device, f"{prefix}.mlp")
+                         device, f"{prefix}.mlp", tp=tp)
         self.input_layernorm = RMSNorm(H, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(H, eps, dtype, device)
         hc = dict(hc_mult=dims.hc_mult, hidden_size=H, sinkhorn_iters=dims.hc_sinkhorn_iters, hc_eps=dims.hc_eps,
@@ -132,13 +138,13 @@ class V4DecoderLayer(nn.Module):
 
 class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: ModelConfig, dims: V4Dims, method: LinearMethodBase, max_seq_len: int, dtype, device,
-                 moe_method: FusedMoEMethodBase | None = None):
+                 moe_method: FusedMoEMethodBase | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         moe_method = moe_method or getattr(method, "moe_method", None) or UnquantizedFusedMoEMethod()
         self.dims = dims
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=tp)
         self.layers = nn.ModuleList(V4DecoderLayer(cfg, dims, i, method, moe_method, dtype, device,
-                                                   f"model.layers.{i}") for i in range(cfg.num_layers))
+                                                   f"model.layers.{i}", tp=tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.hc_head = HyperHead(dims.hc_mult, cfg.hidden_size, dims.hc_eps, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = V4Rotary(dims, max_seq_len, dtype, device)
@@ -177,12 +183,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     routing_recorder = None  # set by hybridrl.rollout.routing.enable_routing_record
 
     def __init__(self, cfg: ModelConfig, dims: V4Dims, method: LinearMethodBase, max_seq_len: int, dtype, device,
-                 moe_method: FusedMoEMethodBase | None = None):
+                 moe_method: FusedMoEMethodBase | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config, self.dims = cfg, dims
-        self.model = DeepseekV4Model(cfg, dims, method, max_seq_len, dtype, device, moe_method)
+        self.config, self.dims, self.tp = cfg, dims, tp
+        self.model = DeepseekV4Model(cfg, dims, method, max_seq_len, dtype, device, moe_method, tp=tp)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied, tp=tp)
 
     def logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """[B, S] right-padded -> logits [B, S, V] float32."""
