@@ -103,8 +103,8 @@ def test_fsdp_to_tp_refit_peak_is_one_bucket_plus_a_tp_slice(tmp_path, monkeypat
     (["launcher.nproc_per_node=3", "batch.prompts_per_step=6", "rollout.tensor_parallel_size=2"],
      r"tensor_parallel_size=2 does not divide the 3 ranks"),
     (["rollout.tensor_parallel_size=2"], r"tensor_parallel_size=2 needs as many ranks; the launcher starts 1"),
-    (["launcher.nproc_per_node=2", "rollout.tensor_parallel_size=2", "rollout.backend=vllm"],
-     r"tensor_parallel_size > 1 with rollout.backend=vllm"),
+    (["launcher.nproc_per_node=4", "batch.prompts_per_step=4", "rollout.tensor_parallel_size=2",
+      "rollout.backend=vllm"], r"rollout.backend=vllm on 4 ranks runs one vLLM engine over all of them"),
     (["rollout.tensor_parallel_size=0"], r"rollout.tensor_parallel_size"),
 ])
 def test_bad_tensor_parallel_configs_fail_in_one_line(overrides, match):
