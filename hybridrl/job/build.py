@@ -78,8 +78,9 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
                          f"(torch {torch.__version__}); use trainer.device=cpu or install a CUDA build of torch")
     if t.threads > 0:
         torch.set_num_threads(t.threads)
-    elif dp is not None:  # ranks on one host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    else:  # 0 = all cores this process may run on (ranks on one host share them), whatever ran before
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1") if dp is not None else 1)))
     torch.manual_seed(t.seed)
     dtype = DTYPES[m.dtype]
     agent_task = cfg.data.task == "calculator" and not cfg.data.train_files
