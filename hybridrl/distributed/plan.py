@@ -74,8 +74,17 @@ def sharded_bytes(model: torch.nn.Module) -> tuple[int, int]:
 def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None, tensor_parallel_size: int = 1) -> int:
     """Bytes of one rank's rollout-engine weights: the built-in engine's model built on the
     meta device (no memory used) as tensor-parallel rank 0 (the largest share) of its group."""
-    return sum(t.numel() * t.element_size() for t in _meta_engine_model(hf_config, dtype, quantization,
-                                                                        tensor_parallel_size).state_dict().values())
+    return weight_bytes(_meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size))
+
+
+def weight_bytes(engine_model: torch.nn.Module) -> int:
+    """An engine model's weight bytes: its parameters (codes and scales of quantized layers;
+    a tied head once) and its derived caches (dequantized FP8 / MXFP4 copies, MLA's absorbed
+    matrices). Positional tables (rope) are not weights and not counted."""
+    from hybridrl.rollout.derived import named_derived_caches
+
+    tensors = [*engine_model.parameters(), *(c.tensor for _, c in named_derived_caches(engine_model))]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size: int):

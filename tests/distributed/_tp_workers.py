@@ -66,7 +66,9 @@ def hf_model(cfg, seed: int = 0):
 
 
 def engine_bytes(engine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    from hybridrl.distributed.plan import weight_bytes
+
+    return weight_bytes(engine.model)
 
 
 def engine_equality(rank: int, world: int, port: int, family: str, out: str, device: str = "cpu") -> None:

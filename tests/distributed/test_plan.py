@@ -37,3 +37,25 @@ def test_plan_cli_for_qwen_shapes():
     assert "64 data-parallel ranks" in proc.stdout and "fits 80.0 GiB?" in proc.stdout
     params = float(next(line for line in proc.stdout.splitlines() if "trainer parameters" in line).split()[-2])
     assert 0.20 < params < 0.25  # 7.6e9 bf16 parameters / 64 ranks = 0.22 GiB
+
+
+def test_plan_per_tensor_parallel_rank_is_the_engines_own_shard():
+    """``hybridrl plan`` at TP=2 reads the engine's own layers (built on meta as TP rank 0) and
+    matches what a real TP=2 engine holds (the 2-rank test measures the same model)."""
+    import transformers
+
+    from hybridrl.distributed.plan import engine_bytes, plan_memory
+
+    cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    whole = engine_bytes(cfg, dtype=torch.float32, quantization=None)
+    half = engine_bytes(cfg, dtype=torch.float32, quantization=None, tensor_parallel_size=2)
+    assert 0.5 * whole < half <= 0.55 * whole  # every split layer halves; norms (and rank 0's padded vocabulary row) whole
+    one = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, engine_dtype=torch.float32, quantization=None,
+                      batch=4, seq_len=16, bucket_bytes=1 << 20)
+    two = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, engine_dtype=torch.float32, quantization=None,
+                      batch=4, seq_len=16, bucket_bytes=1 << 20, tensor_parallel_size=2)
+    assert two.engine_weights == half and two.params == one.params  # the trainer's FSDP shard is unchanged
+    assert two.kv_cache == one.kv_cache  # the group serves 2x the rows over half the KV heads
+    assert "generation as 1 x TP 2" in two.table() and "TP shard, 1/2" in two.table()

@@ -36,6 +36,11 @@ def test_tp2_engine_equals_the_whole_engine(tmp_path, family):
         assert r["bytes_sharded"] <= bound * r["bytes_whole"], (r["bytes_sharded"], r["bytes_whole"])
         if family == "qwen2":  # KV heads split: half the cache; replicated (kv1) / latent (MLA): all of it
             assert r["kv_sharded"] * 2 == r["kv_whole"]
+    from hybridrl.distributed.plan import engine_bytes
+
+    cfg = _tp_workers.tp_config(family)  # `hybridrl plan` reads the same engine layers on meta: the same bytes
+    assert engine_bytes(cfg, dtype=torch.float32, quantization=None, tensor_parallel_size=2) == ranks[0]["bytes_sharded"]
+    assert engine_bytes(cfg, dtype=torch.float32, quantization=None) == ranks[0]["bytes_whole"]
     assert ranks[0]["tokens"] == ranks[1]["tokens"]  # the group samples one sequence per request
 
 
