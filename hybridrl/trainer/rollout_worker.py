@@ -60,7 +60,8 @@ class RolloutWorker:
 
     def refit(self, model: torch.nn.Module) -> RefitStats:
         """Write ``model``'s weights into the engine in place (the refit protocol); an
-        FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``)."""
+        FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``), or, into a
+        built-in tensor-parallel shard, exchanged shard to shard (``distributed/tp_refit.py``)."""
         refit = refit_from_model  # a whole model: the engine takes its tensor-parallel slices itself
         if _is_fsdp_sharded(model) and self.mesh is not None and getattr(self.engine, "takes_tp_slices", False):
             from hybridrl.distributed.tp_refit import refit_sharded_tp as refit  # FSDP shards -> TP shards
