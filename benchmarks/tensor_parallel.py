@@ -53,6 +53,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, bucket: i
     import torch.distributed as dist
 
     from hybridrl.distributed.fsdp import shard_model
+    from hybridrl.distributed.plan import weight_bytes
     from hybridrl.distributed.refit import refit_sharded
     from hybridrl.distributed.tp_refit import refit_sharded_tp
     from hybridrl.refit.memory import peak_rss_delta
@@ -83,11 +84,9 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, bucket: i
             times[key] = min(times[key], time.perf_counter() - t0)
     peaks = {key: min(peak_rss_delta(fn) for _ in range(3)) for key, fn in (("full", gathered), ("tp", exchanged))}
 
-    def nbytes(engine):
-        return sum(p.numel() * p.element_size() for p in engine.model.parameters())
-
     if rank == 0:
-        torch.save(dict(times=times, peaks=peaks, bytes_whole=nbytes(whole), bytes_tp=nbytes(shard),
+        torch.save(dict(times=times, peaks=peaks, bytes_whole=weight_bytes(whole.model),
+                        bytes_tp=weight_bytes(shard.model),
                         largest=largest), out)
     dist.barrier()
     sys.stdout.flush()

@@ -88,20 +88,12 @@ def weight_bytes(engine_model: torch.nn.Module) -> int:
 
 
 def _meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size: int):
-    from hybridrl.rollout.layers.quantization import get_linear_method
+    from hybridrl.rollout.engine import build_model
     from hybridrl.rollout.layers.tensor_parallel import TensorParallel
     from hybridrl.rollout.model_config import parse_hf_config
 
-    cfg = parse_hf_config(hf_config)
     tp = TensorParallel(0, tensor_parallel_size, group=object() if tensor_parallel_size > 1 else None)  # never used
-    device = torch.device("meta")
-    if cfg.v4 is not None:
-        from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-        return DeepseekV4ForCausalLM(cfg, cfg.v4, get_linear_method(quantization), 2, dtype, device, tp=tp)
-    from hybridrl.rollout.models.decoder import DecoderForCausalLM
-
-    return DecoderForCausalLM(cfg, get_linear_method(quantization), 2, dtype, device, tp=tp)
+    return build_model(parse_hf_config(hf_config), quantization, 2, dtype, torch.device("meta"), tp)
 
 
 def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:

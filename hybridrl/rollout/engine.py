@@ -73,15 +73,8 @@ class RolloutEngine(WeightUpdateBracket):
         self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
         self.tensor_parallel = tensor_parallel
-        if self.config.v4 is not None:
-            from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-
-            self.model = DeepseekV4ForCausalLM(self.config, self.config.v4, get_linear_method(spec.quantization),
-                                               self.max_seq_len, self.dtype, self.device, tp=tensor_parallel)
-        else:
-            self.model = DecoderForCausalLM(self.config, get_linear_method(spec.quantization), self.max_seq_len,
-                                            self.dtype, self.device, tp=tensor_parallel)
+        self.model = build_model(self.config, spec.quantization, self.max_seq_len, self.dtype, self.device,
+                                 tensor_parallel)
         # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
         self.runner = ModelRunner(self.model, self.max_batch_size, self.max_seq_len, self.dtype, self.device,
                                   compile_decode)
@@ -249,3 +242,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
+
+def build_model(config, quantization: str | None, max_seq_len: int, dtype: torch.dtype, device,
+                tensor_parallel: TensorParallel = SINGLE) -> torch.nn.Module:
+    """The engine's model for a parsed ``ModelConfig``: DeepSeek-V4's decoder or the shared one
+    (``hybridrl plan`` builds the same on the meta device to count its weights)."""
+    if config.v4 is not None:
+        from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+        return DeepseekV4ForCausalLM(config, config.v4, get_linear_method(quantization), max_seq_len, dtype, device,
+                                     tp=tensor_parallel)
+    return DecoderForCausalLM(config, get_linear_method(quantization), max_seq_len, dtype, device, tp=tensor_parallel)
