@@ -11,7 +11,7 @@ Reading YAML and dotted overrides: ``hybridrl/config/io.py``.
 from hybridrl.config.algo import (AdvantageConfig, AlgoConfig, CorrectionConfig, DapoConfig, KLConfig,
                                   PolicyLossConfig, ValueConfig)
 from hybridrl.config.base import ConfigError
-from hybridrl.config.groups import (GROUPS, Config, DataConfig, EvalConfig, LoggingConfig, ModelConfig, OptimConfig,
+from hybridrl.config.groups import (GROUPS, Config, DataConfig, EvalConfig, LoggingConfig, LoRAConfig, ModelConfig, OptimConfig,
                                     RewardConfig, RolloutConfig)
 from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, PipelineConfig, RefitConfig,
                                  TrainerConfig, WarmStartConfig)
@@ -20,6 +20,6 @@ from hybridrl.config.presets import PRESETS
 __all__ = [
     "AdvantageConfig", "AlgoConfig", "BatchConfig", "CheckpointConfig", "LauncherConfig", "RefitConfig",
     "WarmStartConfig", "Config", "ConfigError", "CorrectionConfig", "DapoConfig", "DataConfig", "EvalConfig",
-    "GROUPS", "KLConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PipelineConfig", "PRESETS", "PolicyLossConfig",
+    "GROUPS", "KLConfig", "LoggingConfig", "LoRAConfig", "ModelConfig", "OptimConfig", "PipelineConfig", "PRESETS", "PolicyLossConfig",
     "RewardConfig", "RolloutConfig", "TrainerConfig", "ValueConfig",
 ]

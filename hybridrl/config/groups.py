@@ -20,6 +20,46 @@ MAX_RESPONSE_TOKENS = 1 << 17  # beyond any model's context today; a typo guard,
 BUILTIN_ARCHS = ("qwen2", "deepseek_v3", "deepseek_v4")
 
 
+# every family's attention and MLP projections: Qwen2/Llama/Qwen3 (q/k/v/o), DeepSeek-V3
+# MLA (q or q_a/q_b, kv_a_proj_with_mqa, o; kv_b_proj is left out: the engine folds it into
+# the absorbed attention caches), DeepSeek-V4 (q_a/q_b, kv, o_b), and dense / shared-expert
+# MLPs; an entry a model lacks is skipped (peft's rule)
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                        "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_INITS = ("zeros", "gaussian")
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    rank: int = _f(0, "LoRA rank of the RL policy's adapters (peft); 0 = full fine-tuning")
+    alpha: float = _f(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank")
+    dropout: float = _f(0.0, "dropout on the adapters' input in the trainer (the engine never drops)")
+    target_modules: list[str] = _f(list(DEFAULT_LORA_TARGETS),
+                                   "nn.Linear modules that get adapters: name suffixes as peft matches them "
+                                   "(attention and dense / shared-expert MLP projections by default; MoE routed "
+                                   "experts are fused 3-D parameters, never targeted)")
+    init: str = _f("zeros", "adapter init, B = 0 in both (the policy starts as the base): zeros (A Kaiming-"
+                            "uniform, peft's default) | gaussian (A ~ N(0, 1/rank))")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def __post_init__(self) -> None:
+        check_number(self.rank, "model.lora.rank", low=0)
+        check_number(self.alpha, "model.lora.alpha", low=0, low_open=True)
+        check_number(self.dropout, "model.lora.dropout", low=0, high=1)
+        if self.init not in LORA_INITS:
+            raise ConfigError(f"model.lora.init={self.init!r}: use one of {', '.join(LORA_INITS)}")
+        if self.rank and (not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules)):
+            raise ConfigError(f"model.lora.target_modules={self.target_modules!r}: give a non-empty list of module "
+                              "name suffixes, e.g. [q_proj, v_proj]")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str | None = _f(None, "local Hugging Face checkpoint dir (model + tokenizer); None = built-in tiny model")
@@ -36,6 +76,7 @@ class ModelConfig:
     # that gets a tied model to 61%.
     tie_word_embeddings: bool = _f(False, "built-in model: share the input embedding and lm_head")
     dtype: str = _f("float32", "trainer dtype: float32 | bfloat16")
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def torch_dtype(self):
@@ -155,6 +196,9 @@ class RolloutConfig:
                                      "generation bounds the step; 0 = off")
     prefix_cache_mb: int = _f(256, "built-in engine: memory for retained conversation prefixes (multi-turn "
                                    "requests continue without re-prefill; least recently used evicted)")
+    lora_mode: str = _f("adapter", "with model.lora: adapter (the engine keeps the base weights and applies the "
+                                   "adapter; a refit sends A/B only) | merged (a refit sends W + scale*B*A of the "
+                                   "targeted weights only; needed with quantized rollout weights)")
     tensor_parallel_size: int = _f(1, "built-in engine: ranks that hold one engine between them (Megatron layout: "
                                       "heads, MLP and expert widths, vocabulary split); the world's ranks form "
                                       "world / T generation groups, each serving its ranks' prompts")
@@ -187,6 +231,8 @@ class RolloutConfig:
         check_number(self.max_prefill_tokens, "rollout.max_prefill_tokens", low=1)
         check_number(self.prefix_cache_mb, "rollout.prefix_cache_mb", low=0)
         check_number(self.tensor_parallel_size, "rollout.tensor_parallel_size", low=1)
+        if self.lora_mode not in ("adapter", "merged"):
+            raise ConfigError(f"rollout.lora_mode={self.lora_mode!r}: use adapter or merged")
         if self.free_cache_engine and self.backend != "vllm":
             raise ConfigError("rollout.free_cache_engine sleeps a vLLM engine; set rollout.backend=vllm "
                               "(the built-in engine's static KV cache stays allocated)")
@@ -321,9 +367,26 @@ class Config:
                 raise ConfigError("algo.dapo.refill_rounds > 0 is single-process only for now (ranks would refill "
                                   "different numbers of rounds); set it to 0 with several ranks")
         self._check_pipeline()
+        self._check_lora()
         if not self.data.train_files and self.batch.prompts_per_step > self.data.train_size:
             raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} exceeds "
                               f"data.train_size={self.data.train_size}; lower it or add prompts")
+
+    def _check_lora(self) -> None:
+        """LoRA combinations that cannot work, refused at config time (the model-dependent
+        checks, target names and ranks, run when the model is built: ``lora/targets.py``)."""
+        if not self.model.lora.enabled:
+            return
+        r = self.rollout
+        if r.quantization and r.lora_mode == "adapter" and r.backend == "vllm":
+            raise ConfigError(f"rollout.quantization={r.quantization} with model.lora and rollout.backend=vllm: "
+                              "vLLM's LoRA runs on unquantized base weights; use rollout.quantization=null")
+        if r.backend == "vllm" and r.lora_mode == "merged":
+            raise ConfigError("rollout.lora_mode=merged with rollout.backend=vllm is not supported yet (vLLM's "
+                              "reload needs every weight); use rollout.lora_mode=adapter or rollout.backend=builtin")
+        if self.trainer.mode != "sync":
+            raise ConfigError(f"model.lora with trainer.mode={self.trainer.mode}: not supported yet (the rollout "
+                              "workers' refit sends whole models); use trainer.mode=sync")
 
     def _check_pipeline(self) -> None:
         """What trainer.mode one_step_off / async do not cover (yet), each refused in one line."""

@@ -30,8 +30,9 @@ from hybridrl.refit.errors import RefitError
 from hybridrl.rollout.backend import bucket_problems, describe_problems
 
 
-def check_announced(routes, names: Iterable[str]) -> None:
-    """The announced set must be exactly ``routes.expected`` (ignored names tolerated)."""
+def check_announced(routes, names: Iterable[str], *, partial: bool = False) -> None:
+    """The announced set must be exactly ``routes.expected`` (ignored names tolerated);
+    ``partial``: a subset of it (no unknown or duplicate names, nothing else required)."""
     seen, dup = set(), set()
     for n in names:
         (dup if n in seen else seen).add(n)
@@ -40,7 +41,8 @@ def check_announced(routes, names: Iterable[str]) -> None:
     # a fused weight may come as its per-expert pieces (MoE checkpoints): the route table
     # says which names cover which weight, and a weight sent in both forms is a duplicate
     dup |= set(_overlapping(routes, seen - unknown))
-    _raise_if("announced refit", missing=_missing(routes, seen - unknown), unknown=unknown, duplicate=dup)
+    missing = set() if partial else _missing(routes, seen - unknown)
+    _raise_if("announced refit", missing=missing, unknown=unknown, duplicate=dup)
 
 
 def _missing(routes, written: set[str]) -> set[str]:

@@ -63,19 +63,29 @@ class Refit:
         self.bytes = 0
         self._sent: dict[str, torch.Tensor] = {}  # name -> expected checksum, 0-d, on the sent tensor's device
         self._addresses: dict[str, V.TensorRecord] = {}
+        self._partial: frozenset[str] | None = None
         self._t0 = 0.0
 
     # -- protocol ---------------------------------------------------------------------
-    def begin(self, names: Iterable[str] | None = None) -> "Refit":
-        """Announce the names to be sent (default: all) and open the engine's weight update."""
+    def begin(self, names: Iterable[str] | None = None, *, partial: bool = False) -> "Refit":
+        """Announce the names to be sent (default: all) and open the engine's weight update.
+        ``partial``: ``names`` is a subset of the engine's (a LoRA refit: the adapters, or the
+        merged targeted weights); exactly those must then be sent, the rest keep their values."""
         self._expect(State.NEW, "begin")
         if self.engine.weight_update_in_progress:
             raise RefitError("another weight update of this engine is in progress; finish() or abort() it first")
-        N.check_announced(self.routes, self.routes.expected if names is None else names)
+        if partial and names is None:
+            raise RefitError("a partial refit announces its names: begin(names, partial=True)")
+        names = list(self.routes.expected if names is None else names)
+        N.check_announced(self.routes, names, partial=partial)
+        self._partial = frozenset(names) - self.routes.ignored if partial else None
         self._t0 = time.perf_counter()
         if self.verify:
             self._addresses = V.snapshot(self.engine.named_state_tensors())
-        self.engine.begin_weight_update()
+        if partial:
+            self.engine.begin_weight_update(required=self._partial)
+        else:
+            self.engine.begin_weight_update()
         self.state = State.LOADING
         return self
 
@@ -101,7 +111,7 @@ class Refit:
     def finish(self) -> RefitStats:
         """Close the engine's update (layouts, then caches, then ``verify``); it advances the version."""
         self._expect(State.LOADING, "finish")
-        missing = N._missing(self.routes, self.written)
+        missing = N._missing(self.routes, self.written) if self._partial is None else self._partial - self.written
         self.state = State.FAILED  # until every step below succeeded
         if missing:
             self.engine.abort_weight_update()  # layouts and caches consistent, version unchanged
@@ -160,7 +170,8 @@ class Refit:
         V.check_checksums({n: (c, 0.0) for n, c in sent.items()}, held)
 
 
-def refit_session(engine, *, verify: bool = False, names: Iterable[str] | None = None) -> Refit:
+def refit_session(engine, *, verify: bool = False, names: Iterable[str] | None = None,
+                  partial: bool = False) -> Refit:
     """``with refit_session(engine, verify=True) as s: s.load(bucket) ...`` — begin on enter,
     finish on a clean exit (stats in ``s.stats``), abort on an exception."""
-    return Refit(engine, verify=verify).begin(names)
+    return Refit(engine, verify=verify).begin(names, partial=partial)

@@ -54,6 +54,9 @@ class EngineSpec:
     """``"cuda"`` means the current device when the engine is built."""
     quantization: str | None = None
     """None, or a backend's weight quantization ("fp8", ...)."""
+    lora: Any = None
+    """an ``AdapterSpec`` (``layers/lora_adapter.py``): the LoRA adapters the engine applies
+    over its base weights (``rollout.lora_mode=adapter``); None: plain weights."""
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_seq_len < 2:

@@ -85,6 +85,10 @@ class RolloutEngine(WeightUpdateBracket):
             from hybridrl.rollout.routing import enable_routing_record
 
             self.routing_recorder = enable_routing_record(self)
+        if spec.lora is not None:  # LoRA adapters in the layers they target, then routes that include them
+            from hybridrl.rollout.layers.lora_adapter import attach_adapters
+
+            attach_adapters(self.model, WeightRoutes(self.model), spec.lora, self.dtype)
         self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
         self._update = WeightUpdate(self.model, self.weight_routes)
         self._weight_version = 0  # written only by _commit_weight_update
@@ -107,11 +111,12 @@ class RolloutEngine(WeightUpdateBracket):
         """True between `begin_weight_update()` and `finish_weight_update()` / `abort_weight_update()`."""
         return self._update.is_open
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, required: Iterable[str] | None = None) -> None:
         """Open an update: every linear back in loading layout, in place. Raises if one is open.
-        Waits for a step in flight; in-flight requests hold until the update closes."""
+        Waits for a step in flight; in-flight requests hold until the update closes.
+        ``required``: a partial update writing exactly these names (LoRA refits)."""
         with self._lock:
-            self._update.begin()
+            self._update.begin(required)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF-named tensors -> in-place writes through each parameter's `weight_loader`.

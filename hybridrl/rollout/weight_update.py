@@ -48,12 +48,16 @@ class WeightUpdate:
         self.linears = [m for m in model.modules() if isinstance(m, (LinearBase, FusedExperts))]
         self.is_open = False
         self.written: set[str] = set()
+        self.required: frozenset[str] | None = None  # a partial update's names; None = every expected name
 
-    def begin(self) -> None:
+    def begin(self, required: Iterable[str] | None = None) -> None:
+        """``required``: a *partial* update (LoRA: the adapters, or the merged targeted
+        weights) that must write exactly these names; the other weights keep their values."""
         if self.is_open:
             raise WeightUpdateError("a weight update of this engine is already in progress; "
                                     "finish or abort it first")
         self.is_open, self.written = True, set()
+        self.required = None if required is None else frozenset(required)
         try:
             for layer in self.linears:
                 layer.method.restore_loading_layout(layer)
@@ -85,11 +89,13 @@ class WeightUpdate:
         """
         self._expect_open("finish")
         self._close()
-        missing = self.routes.missing(self.written)  # an expected name may arrive as its aliases
+        missing = (self.routes.missing(self.written) if self.required is None  # may arrive as its aliases
+                   else self.required - self.written)
         if missing:
             raise WeightUpdateError(f"weight update incomplete: {len(missing)} weights never loaded: "
                                     f"{listing(missing)}; weight_version was not advanced; "
-                                    "load every name of engine.expected_weight_names()")
+                                    "load every name of engine.expected_weight_names() (or, in a partial "
+                                    "update, every name it announced)")
         if check is not None:
             check()
 

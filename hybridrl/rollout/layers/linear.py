@@ -38,6 +38,7 @@ class LinearBase(nn.Module):
         self.hf_input_size, self.hf_output_sizes = hf_sizes or (input_size, list(output_sizes))
         self.prefix = prefix
         self.method = method
+        self.adapter = None  # a LoRAAdapter (layers/lora_adapter.py) when the engine applies LoRA here
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype, device=device), requires_grad=False)
@@ -75,7 +76,8 @@ class LinearBase(nn.Module):
         return 0 if shard_id is None else self.shard_names.index(shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.adapter is None else self.adapter(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -113,7 +115,7 @@ class RowParallelLinear(LinearBase):
         self.tp, self.reduce = tp, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, x)
+        y = super().forward(x)  # a LoRA adapter adds its partial product here, before the all-reduce
         return self.tp.all_reduce_(y) if self.reduce else y
 
 

@@ -127,6 +127,8 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype, device)
         self.kv_b_proj = ColumnParallelLinear(self.rank, H * (self.nope + self.v_dim), unit=self.nope + self.v_dim,
                                               bias=False, prefix=f"{prefix}.kv_b_proj", **heads, **kw)
+        self.kv_b_proj.adapter_capable = False  # read through the absorbed caches, not as a matmul
+        self.kv_b_proj.adapter_capable_why = "MLA folds it into the absorbed attention caches W_UK / W_UV"
         self.o_proj = RowParallelLinear(H * self.v_dim, cfg.hidden_size, unit=self.v_dim, bias=cfg.o_bias,
                                         prefix=f"{prefix}.o_proj", **heads, **kw)
         H = self.num_heads  # this rank's heads from here on

@@ -77,6 +77,9 @@ class GroupedLinear(LinearBase):
     refreshed in place by every weight update after every FP8 layer is back in inference
     layout (refused before), checked by the refit verifier, never dropped and rebuilt."""
 
+    adapter_capable = False  # its own grouped matmul, not LinearBase.forward: no LoRA add there
+    adapter_capable_why = "a grouped projection (one matmul per output group)"
+
     needs_dense_weight = True  # fp8_linear: keep the dequantized cache even where _scaled_mm could run
 
     def __init__(self, in_per_group: int, out_features: int, n_groups: int, tp: TensorParallel = SINGLE, **kw):
