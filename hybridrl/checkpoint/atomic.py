@@ -69,8 +69,10 @@ def save_checkpoint_atomic(model, tokenizer, path: str | Path, *, step: int = 0,
 
 
 def write_hf(directory: Path, model, tokenizer, extra_files: dict[str, str] | None = None) -> None:
-    """The Hugging Face part of a checkpoint: ``save_pretrained`` of model and tokenizer."""
-    model.save_pretrained(directory, safe_serialization=True)
+    """The Hugging Face part of a checkpoint: ``save_pretrained`` of model (None: not
+    written here, e.g. a LoRA run's adapter folder) and tokenizer."""
+    if model is not None:
+        model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     for name, text in (extra_files or {}).items():
         (directory / name).write_text(text)

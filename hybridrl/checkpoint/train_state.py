@@ -54,7 +54,7 @@ def write_training_state(directory: Path, run, loop: LoopState, rng: random.Rand
     if not sharded:
         if step.critic is not None:
             step.critic.model.save_pretrained(directory / "critic")
-        if step.reference is not None:
+        if step.reference is not None and not step.reference.shares_policy:  # LoRA: the base, saved once
             save_model(step.reference.model, str(directory / REFERENCE_FILE))
     np_state = np.random.get_state()
     state = {
@@ -94,11 +94,14 @@ def read_training_state(directory: Path, run, rng: random.Random) -> LoopState:
 
         load_run_dcp(directory, run)
     else:
-        load_policy_weights(run.policy, directory)
+        if run.lora is not None:
+            load_adapter_weights(run.lora, directory)
+        else:
+            load_policy_weights(run.policy, directory)
         if step.critic is not None:
             saved = ValueModel.from_pretrained(directory / "critic")
             step.critic.model.load_state_dict(saved.state_dict())
-        if step.reference is not None:
+        if step.reference is not None and not step.reference.shares_policy:
             load_model(step.reference.model, str(directory / REFERENCE_FILE))
     r = state["rng"]
     rng.setstate(python_rng_tuple(r["python_step"]))
@@ -143,6 +146,17 @@ def load_policy_weights(model: torch.nn.Module, directory: Path) -> None:
         raise ValueError(f"checkpoint.resume: the policy in {directory} does not match the configured model "
                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}); "
                          "resume with the run's own config")
+
+
+def load_adapter_weights(lora, directory: Path) -> None:
+    """A LoRA run's checkpoint: peft's ``adapter_model.safetensors`` into the policy in place."""
+    from safetensors.torch import load_file
+
+    path = directory / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"checkpoint.resume: {directory} has no adapter_model.safetensors; it was not written by "
+                         "a LoRA run (model.lora.rank > 0); resume with the run's own config")
+    lora.load_trainable_state(load_file(str(path)), f"checkpoint.resume: {path}")
 
 
 def python_rng_state(state: tuple) -> list:

@@ -378,12 +378,16 @@ class Config:
         if not self.model.lora.enabled:
             return
         r = self.rollout
-        if r.quantization and r.lora_mode == "adapter" and r.backend == "vllm":
-            raise ConfigError(f"rollout.quantization={r.quantization} with model.lora and rollout.backend=vllm: "
-                              "vLLM's LoRA runs on unquantized base weights; use rollout.quantization=null")
-        if r.backend == "vllm" and r.lora_mode == "merged":
-            raise ConfigError("rollout.lora_mode=merged with rollout.backend=vllm is not supported yet (vLLM's "
-                              "reload needs every weight); use rollout.lora_mode=adapter or rollout.backend=builtin")
+        if r.backend == "vllm":
+            raise ConfigError("model.lora with rollout.backend=vllm is not supported yet (neither vLLM's LoRARequest "
+                              "path nor a partial reload is wired up); use rollout.backend=builtin")
+        if self.launcher.ranks > 1:
+            raise ConfigError(f"model.lora with {self.launcher.ranks} ranks: not supported yet (FSDP2-sharded "
+                              "adapters and tensor-parallel adapter refits are untested); use one process")
+        if r.quantization and r.lora_mode == "adapter" and "fp8" in r.quantization:
+            raise ConfigError(f"rollout.quantization={r.quantization} with rollout.lora_mode=adapter: the FP8 "
+                              "rollout weights would be the base's while the adapters stay full precision; use "
+                              "rollout.lora_mode=merged (the merged weights are re-quantized at each refit)")
         if self.trainer.mode != "sync":
             raise ConfigError(f"model.lora with trainer.mode={self.trainer.mode}: not supported yet (the rollout "
                               "workers' refit sends whole models); use trainer.mode=sync")

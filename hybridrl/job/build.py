@@ -52,10 +52,16 @@ class Run:
     def policy(self) -> PreTrainedModel:
         return self.step.actor.model
 
+    @property
+    def lora(self):
+        """The policy's ``LoRAPolicy`` when it trains LoRA adapters (``model.lora.rank > 0``), else None."""
+        return self.step.rollout.lora
+
     def describe_model(self) -> str:
         n = sum(p.numel() for p in self.policy.parameters())
         c = self.policy.config
-        return f"{c.model_type}, {n / 1e6:.2f}M params, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+        text = f"{c.model_type}, {n / 1e6:.2f}M params, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+        return text if self.lora is None else f"{text}, {self.lora.describe()}"
 
 
 def build_run(cfg: Config, console: Console | None = None, dp: DistContext | None = None) -> Run:
@@ -167,11 +173,20 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
 
         check_tensor_parallel(model.config, cfg.rollout.tensor_parallel_size, cfg.rollout.quantization)
         mesh = build_rollout_mesh(cfg.rollout.tensor_parallel_size)
+    lora = None
+    if cfg.model.lora.enabled:  # peft adapters; the trainer works on the HF model inside (lora/policy.py)
+        from hybridrl.lora import apply_lora
+
+        spec = cfg.model.lora
+        lora = apply_lora(model, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
+                          target_modules=spec.target_modules, init=spec.init)
+        model = lora.model
     engine = build_engine(cfg, model.config, device=device, ranks=dp.world_size if dp is not None else 1,
-                          longest_prompt=longest_prompt, tensor_parallel=mesh.tp if mesh is not None else None)
+                          longest_prompt=longest_prompt, tensor_parallel=mesh.tp if mesh is not None else None,
+                          lora=lora)
     actor = Actor.from_config(model, cfg)
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
-                                        device=device, mesh=mesh)
+                                        device=device, mesh=mesh, lora=lora)
     rollout.refit(model)  # first load = the refit path
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
     step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,

@@ -10,10 +10,12 @@ from hybridrl.config import Config
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int,
-                 tensor_parallel=None):
+                 tensor_parallel=None, lora=None):
     """The run's rollout engine (``rollout.backend``), sized for this rank's share of a
     step's responses (a tensor-parallel group's: its ranks' shares) and the longest prompt
-    plus ``rollout.max_tokens``. ``tensor_parallel``: this rank's place in its group."""
+    plus ``rollout.max_tokens``. ``tensor_parallel``: this rank's place in its group.
+    ``lora``: the policy's ``LoRAPolicy``; with ``rollout.lora_mode=adapter`` the engine is
+    built to apply its adapters (merged mode needs nothing of the engine)."""
     from hybridrl.rollout import EngineSpec
     from hybridrl.rollout.layers.tensor_parallel import SINGLE
 
@@ -21,7 +23,7 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
     r, t = cfg.rollout, cfg.trainer
     spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks * tensor_parallel.size, 256),
                       max_seq_len=cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
-                      quantization=r.quantization)
+                      quantization=r.quantization, lora=_adapter_spec(lora, r.lora_mode))
     if r.backend == "vllm":
         from hybridrl.vllm_backend import VllmEngine
 
@@ -33,3 +35,11 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
     return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,
                          kv_on_refit=r.kv_on_refit, max_prefill_tokens=r.max_prefill_tokens,
                          prefix_cache_bytes=r.prefix_cache_mb << 20, tensor_parallel=tensor_parallel)
+
+
+def _adapter_spec(lora, mode: str):
+    if lora is None or mode != "adapter":
+        return None
+    from hybridrl.rollout.layers.lora_adapter import AdapterSpec
+
+    return AdapterSpec(rank=lora.rank, scale=lora.scale, modules=tuple(lora.targets))

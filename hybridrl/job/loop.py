@@ -4,6 +4,7 @@ and checkpoints. The order *inside* a step is :class:`~hybridrl.trainer.rl_step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -67,13 +68,14 @@ def warm_start(run: Run, cfg: Config) -> None:
     multi-turn demonstrations, learned on the assistant's turns only (tool spans masked),
     and the teacher's choice (tool or not) is drawn afresh at every visit the same way.
     """
-    from hybridrl.job.sft import masked_sft_batch, sample_sft_batch, sft_batch, sft_step
+    from hybridrl.job.sft import masked_sft_batch, sample_sft_batch, sft_batch
 
     t = cfg.trainer
     steps = cfg.warm_start.steps
     if steps <= 0 or (run.sft_pairs is None and run.sft_demos is None):
         return
     slip_rng = random.Random(t.seed + 7919)  # its own stream: the batches are those of a slip-free run
+    rng = random.Random(t.seed)
     model, device, pad_id, k = run.policy, run.step.rollout.device, run.step.shape.pad_id, cfg.warm_start.batch_size
     if run.sft_demos is not None:
         def batch():
@@ -86,10 +88,25 @@ def warm_start(run: Run, cfg: Config) -> None:
             p, a = sample_sft_batch(rng, prompts, answers, k, slips=slips, slip_rate=cfg.data.teacher_carry_slip,
                                     slip_rng=slip_rng)
             return sft_batch(p, a, pad_id)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr, betas=tuple(cfg.optim.betas),
+    lora = run.lora  # LoRA: the warm start builds the base (adapters off), the RL trains the adapters
+    training = lora.training_base() if lora is not None else contextlib.nullcontext(list(model.parameters()))
+    with training as params:
+        _warm_start_steps(run, cfg, model, params, batch, steps, device)
+    if run.step.dp is not None:  # every rank ran the same steps; make them bitwise one model
+        from hybridrl.distributed.context import broadcast_module_
+
+        broadcast_module_(model)
+    if lora is not None and (run.step.dp is None or run.step.dp.is_main):
+        save_lora_base(run)
+    run.step.rollout.refit(model)
+
+
+def _warm_start_steps(run: Run, cfg: Config, model, params, batch, steps: int, device) -> None:
+    from hybridrl.job.sft import sft_step
+
+    opt = torch.optim.AdamW(params, lr=cfg.warm_start.lr, betas=tuple(cfg.optim.betas),
                             weight_decay=cfg.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.05, 1 - s / steps))
-    rng = random.Random(t.seed)
     model.train()
     bar = progress_bar(range(steps), desc="warm start", enabled=cfg.logging.progress)
     for _ in bar:
@@ -97,11 +114,29 @@ def warm_start(run: Run, cfg: Config) -> None:
         loss, _ = sft_step(model, opt, ids, mask, labels, cfg.optim.grad_clip)
         sched.step()
         bar.set_postfix(loss=f"{loss:.3f}")
-    if run.step.dp is not None:  # every rank ran the same steps; make them bitwise one model
-        from hybridrl.distributed.context import broadcast_module_
 
-        broadcast_module_(model)
-    run.step.rollout.refit(model)
+
+LORA_BASE_FILE = "lora_base.safetensors"
+
+
+def save_lora_base(run: Run) -> None:
+    """A LoRA run's base after its warm start, written once into the run directory
+    (atomically): checkpoints then hold the adapters only, and a resume reads the base here."""
+    from safetensors.torch import save_file
+
+    path = run.run_dir / LORA_BASE_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({n: t.contiguous() for n, t in run.lora.base_tensors()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_lora_base(run: Run) -> None:
+    """The resume side of :func:`save_lora_base` (no file: the base is ``model.path`` / the seeded init)."""
+    path = run.run_dir / LORA_BASE_FILE
+    if path.is_file():
+        from safetensors.torch import load_file
+
+        run.lora.load_base(load_file(str(path)), f"checkpoint.resume: {path}")
 
 
 def train(cfg: Config) -> TrainResult:
@@ -147,6 +182,8 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
         run.log.log(0, warm.metrics())
         loop = LoopState(step=0, warm_start_accuracy=warm_acc, last_accuracy=warm_acc)
     else:
+        if run.lora is not None:
+            load_lora_base(run)
         _attach_reference(run, cfg)  # a placeholder copy; its weights come from the checkpoint
         if run.step.dp is not None:
             run.step.shard_for_data_parallel()
@@ -176,10 +213,13 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
 
 
 def _attach_reference(run: Run, cfg: Config) -> None:
-    if cfg.algo.kl.coef > 0:
-        run.step.attach_reference(Reference.frozen_copy_of(
-            run.policy, temperature=cfg.rollout.temperature,
-            max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch))
+    if cfg.algo.kl.coef <= 0:
+        return
+    kw = dict(temperature=cfg.rollout.temperature, max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch)
+    if run.lora is not None:  # the base under disable_adapter(): no copy
+        run.step.attach_reference(Reference(run.policy, adapter_off=run.lora.adapter_disabled, **kw))
+    else:
+        run.step.attach_reference(Reference.frozen_copy_of(run.policy, **kw))
 
 
 def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
@@ -195,7 +235,12 @@ def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
     from hybridrl.checkpoint.train_state import write_training_state
 
     def write(directory: Path) -> None:
-        write_hf(directory, run.policy, run.tokenizer, {"hybridrl_config.yaml": config_to_yaml(cfg)})
+        extra = {"hybridrl_config.yaml": config_to_yaml(cfg)}
+        if run.lora is not None:  # the adapters only (peft's folder); the base is the run's lora_base
+            run.lora.save_adapter(directory)
+            write_hf(directory, None, run.tokenizer, extra)
+        else:
+            write_hf(directory, run.policy, run.tokenizer, extra)
         write_training_state(directory, run, loop, rng)
 
     return save_step_dir(run.run_dir / "checkpoint", loop.step, write, keep_last=cfg.checkpoint.keep_last)

@@ -83,10 +83,49 @@ class LoRAPolicy:
         self.rank, self.alpha = int(config.r), float(config.lora_alpha)
         self.scale = self.alpha / self.rank
         self.layers = {name: self.model.get_submodule(name) for name in self.targets}
+        self.base_version = 0
+        """+1 whenever the base weights change (a warm start, a resume's load): an engine that
+        holds an older base needs a full refit, not just the adapters."""
 
     def adapter_disabled(self):
         """Context in which the policy computes the base model (the KL reference)."""
         return self.peft_model.disable_adapter()
+
+    def base_parameters(self) -> list[torch.nn.Parameter]:
+        """The base model's parameters, in ``named_parameters`` order (the order of the model
+        before wrapping: peft registers ``base_layer`` before the adapters)."""
+        return [p for n, p in self.model.named_parameters() if not is_adapter(n)]
+
+    @contextlib.contextmanager
+    def training_base(self):
+        """The base trainable and the adapters off (a warm start that builds the base): the
+        same forward, parameters and order as the unwrapped model, so the base it leaves is
+        bitwise the one a full-fine-tuning run's warm start leaves. Frozen again on exit."""
+        params = self.base_parameters()
+        for p in params:
+            p.requires_grad_(True)
+        try:
+            with self.adapter_disabled():
+                yield params
+        finally:
+            for p in params:
+                p.requires_grad_(False)
+            self.base_version += 1
+
+    def load_base(self, tensors: dict[str, torch.Tensor], where: str) -> None:
+        """Copy HF-named base tensors (``base_tensors()``'s names) into the policy in place."""
+        from hybridrl.refit.transport import named_persistent_buffers
+
+        own = [(hf_name(n), p) for n, p in self.model.named_parameters() if not is_adapter(n)]
+        own += [(hf_name(n), b) for n, b in named_persistent_buffers(self.model)]
+        missing = sorted(n for n, _ in own if n not in tensors)
+        if missing or len(tensors) != len(own):
+            raise ValueError(f"{where}: the saved base model does not match the configured model (missing "
+                             f"{missing[:3]}); resume with the run's own config")
+        with torch.no_grad():
+            for name, t in own:
+                t.copy_(tensors[name])
+        self.base_version += 1
 
     # -- tensors towards the engine (HF names; whole tensors, gathered from FSDP2 shards) --
     def adapter_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -74,10 +74,10 @@ class Actor:
                    seed=cfg.trainer.seed)
 
     def reset_optimizer(self) -> None:
-        """A fresh AdamW and LR schedule over the model's current parameters (after FSDP2
-        sharding replaced them with DTensor shards)."""
+        """A fresh AdamW and LR schedule over the model's current trainable parameters (after
+        FSDP2 sharding replaced them with DTensor shards; with LoRA: the adapters only)."""
         optim = self._optim
-        self.optimizer = make_adamw(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+        self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=tuple(optim.betas),
                                     weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_lambda(optim.warmup_steps))
 
@@ -210,7 +210,8 @@ class Actor:
             loss.backward()
             for k, v in metrics.items():
                 acc[k] = acc.get(k, 0.0) + v
-        grad_norm = scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        grad_norm = scalar(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                          self.grad_clip))
         finite = math.isfinite(grad_norm)
         if finite:  # a non-finite loss or gradient skips the optimizer step (counted by the loop)
             self.optimizer.step()

@@ -1,8 +1,11 @@
-"""The reference policy: a frozen copy of the actor (after the warm start) for the KL term."""
+"""The reference policy for the KL term: a frozen copy of the actor after the warm start,
+or — with LoRA — the actor itself with its adapters switched off (no second copy)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Callable
 
 import torch
 
@@ -10,9 +13,18 @@ from hybridrl.trainer.logprobs import logprobs_in_microbatches
 
 
 class Reference:
-    def __init__(self, model: torch.nn.Module, *, temperature: float, max_tokens_per_microbatch: int):
+    def __init__(self, model: torch.nn.Module, *, temperature: float, max_tokens_per_microbatch: int,
+                 adapter_off: Callable[[], contextlib.AbstractContextManager] | None = None):
+        """``adapter_off``: a LoRA policy's ``adapter_disabled``; ``model`` is then the policy
+        itself, computed as its base (nothing is copied, sharded or saved for it)."""
         self.model = model
         self.temperature, self.max_tokens = temperature, max_tokens_per_microbatch
+        self.adapter_off = adapter_off
+
+    @property
+    def shares_policy(self) -> bool:
+        """True when the reference is the policy's base (LoRA): it owns no weights."""
+        return self.adapter_off is not None
 
     @classmethod
     def frozen_copy_of(cls, policy: torch.nn.Module, **kwargs) -> "Reference":
@@ -27,7 +39,8 @@ class Reference:
                   response_mask: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, L]`` float32 log-probs of the reference, aligned like ``Rollouts.logprobs``
         (MoE: with the engine's expert choices replayed when ``routed_experts`` is given)."""
-        lp, _ = logprobs_in_microbatches(self.model, input_ids, attention_mask, response_mask,
-                                         temperature=self.temperature, max_tokens=self.max_tokens,
-                                         routed_experts=routed_experts)
+        with self.adapter_off() if self.adapter_off is not None else contextlib.nullcontext():
+            lp, _ = logprobs_in_microbatches(self.model, input_ids, attention_mask, response_mask,
+                                             temperature=self.temperature, max_tokens=self.max_tokens,
+                                             routed_experts=routed_experts)
         return lp

@@ -90,7 +90,7 @@ class RLStep:
         routes = forward.fsdp_forward_methods() | shared_prefix.fsdp_forward_methods()
         shard_model(self.actor.model, routes)
         self.actor.reset_optimizer()
-        if self.reference is not None:
+        if self.reference is not None and not self.reference.shares_policy:
             shard_model(self.reference.model, routes)
         if self.critic is not None:
             shard_model(self.critic.model)

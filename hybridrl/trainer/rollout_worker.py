@@ -34,10 +34,16 @@ class RolloutWorker:
     """``engine`` plus the run's sampling settings; tensors come back on ``device``."""
 
     def __init__(self, engine: RolloutBackend, sampling: SamplingParams, *, device: torch.device,
-                 bucket_bytes: int, verify_refit: bool, step_latency_s: float = 0.0, mesh=None):
+                 bucket_bytes: int, verify_refit: bool, step_latency_s: float = 0.0, mesh=None,
+                 lora=None, lora_mode: str = "adapter"):
         """``mesh``: this rank's generation group (``distributed/mesh.py``) when the engine is
-        one tensor-parallel shard; the group's ranks then generate their prompts together."""
+        one tensor-parallel shard; the group's ranks then generate their prompts together.
+        ``lora``: the policy's :class:`~hybridrl.lora.LoRAPolicy` when it trains adapters; a
+        refit then sends the adapters (``lora_mode="adapter"``) or the merged targeted
+        weights (``"merged"``), and the whole base only to an engine that never held it."""
         self.engine = engine
+        self.lora, self.lora_mode = lora, lora_mode
+        self._engine_base_version: int | None = None  # LoRA: the base version the engine holds
         self.mesh = mesh if mesh is not None and mesh.tp.size > 1 else None
         self.step_latency_s = step_latency_s  # rollout.step_latency_ms: a training-rollout step lasts at least this
         self.sampling = sampling  # n, temperature, top-k/p, max_tokens, stop ids (seed set per prompt)
@@ -48,10 +54,11 @@ class RolloutWorker:
 
     @classmethod
     def from_config(cls, engine: RolloutBackend, rollout: RolloutConfig, refit: RefitConfig, *,
-                    eos_token_id: int | None, device: torch.device, mesh=None) -> RolloutWorker:
+                    eos_token_id: int | None, device: torch.device, mesh=None, lora=None) -> RolloutWorker:
         """The run's worker: ``rollout.*`` sampling (stopping at ``eos_token_id``) and ``refit.*``."""
         return cls(engine, sampling_params(rollout, eos_token_id), device=device, bucket_bytes=refit.bucket_mb << 20,
-                   verify_refit=refit.verify, step_latency_s=rollout.step_latency_ms / 1000, mesh=mesh)
+                   verify_refit=refit.verify, step_latency_s=rollout.step_latency_ms / 1000, mesh=mesh,
+                   lora=lora, lora_mode=rollout.lora_mode)
 
     @property
     def version(self) -> int:
@@ -61,7 +68,17 @@ class RolloutWorker:
     def refit(self, model: torch.nn.Module) -> RefitStats:
         """Write ``model``'s weights into the engine in place (the refit protocol); an
         FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``), or, into a
-        built-in tensor-parallel shard, exchanged shard to shard (``distributed/tp_refit.py``)."""
+        built-in tensor-parallel shard, exchanged shard to shard (``distributed/tp_refit.py``).
+        LoRA: the base is frozen, so after the engine's first load a refit is *partial* —
+        the adapters or the merged targets only (a few MB), verified like a full one."""
+        if self.lora is not None:
+            full = self.engine.weight_version == 0 or self._engine_base_version != self.lora.base_version
+            named = self.lora.refit_tensors(self.lora_mode, full=full)  # whole tensors (FSDP2: gathered)
+            stats = refit_from_model(self.engine, named, bucket_bytes=self.bucket_bytes, verify=self.verify_refit,
+                                     partial=not full)
+            self._engine_base_version = self.lora.base_version
+            self.expected_version = self.version
+            return stats
         refit = refit_from_model  # a whole model: the engine takes its tensor-parallel slices itself
         if _is_fsdp_sharded(model) and self.mesh is not None and getattr(self.engine, "takes_tp_slices", False):
             from hybridrl.distributed.tp_refit import refit_sharded_tp as refit  # FSDP shards -> TP shards
