@@ -115,6 +115,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from hybridrl.lora.export import export_lora
+
+    out = export_lora(args.checkpoint, args.out, merged=args.merged)
+    parts = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"exported {args.checkpoint} -> {out} ({parts})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hybridrl.config.io import help_text
 
@@ -143,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device-gib", type=float, default=None, help="device memory to check the plan against")
     _config_arguments(pl, "launcher.nproc_per_node=8")
     pl.set_defaults(fn=_plan)
+    ex = sub.add_parser("export", help="a LoRA run's checkpoint as a peft adapter folder (+ its base, + merged)",
+                        epilog="e.g. hybridrl export runs/default/checkpoint exported --merged")
+    ex.add_argument("checkpoint", help="a LoRA run's checkpoint directory (runs/NAME/checkpoint)")
+    ex.add_argument("out", help="output directory (created; must not exist)")
+    ex.add_argument("--merged", action="store_true", help="also write OUT/merged: the adapter merged into the base")
+    ex.set_defaults(fn=_export)
     g = sub.add_parser("generate", help="sample from a local HF checkpoint with the built-in engine")
     g.add_argument("--model", required=True, help="local HF checkpoint directory")
     g.add_argument("--max-tokens", type=int, default=16)

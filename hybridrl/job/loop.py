@@ -126,7 +126,8 @@ def save_lora_base(run: Run) -> None:
 
     path = run.run_dir / LORA_BASE_FILE
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({n: t.contiguous() for n, t in run.lora.base_tensors()}, str(tmp))
+    save_file({n: t.contiguous() for n, t in run.lora.base_tensors()}, str(tmp),
+              metadata={"hf_config": run.policy.config.to_json_string()})  # what `hybridrl export` rebuilds
     os.replace(tmp, path)
 
 
