@@ -23,6 +23,9 @@ BASE = TINY_MODEL + ["data.train_size=300", "data.eval_size=16", "warm_start.ste
 # GRPO with a KL reference (its weights and the KL controller are part of the state), and
 # PPO with a critic, two epochs over mini-batches (optimizer moments, shuffling generator)
 CASES = {"grpo_kl": ["algo.kl.coef=0.02"],
+         # LoRA: adapters + their optimizer moments in the checkpoint, the base read back from
+         # the run's lora_base, the reference = the base under disable_adapter()
+         "lora_kl": ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=3e-3", "algo.kl.coef=0.02"],
          "ppo_gae": ["algo.advantage.estimator=gae", "batch.mini_batch_size=8", "batch.ppo_epochs=2",
                      "algo.kl.coef=0.01", "algo.kl.use_loss=false", "algo.kl.adaptive_target=0.01"]}
 
@@ -48,7 +51,8 @@ def _steps_done(run_dir: Path) -> int:
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "checkpoint" / "model.safetensors"))
+    adapter = run_dir / "checkpoint" / "adapter_model.safetensors"  # a LoRA run's checkpoint
+    return load_file(str(adapter if adapter.exists() else run_dir / "checkpoint" / "model.safetensors"))
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -1,0 +1,202 @@
+"""LoRA RL: engine log-probs with the adapter (both modes) vs the trainer's peft model,
+B = 0 gives the base's tokens, the reference is the base, partial refits are verified,
+export loads in peft, bad input is one line."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from hybridrl.config import LoRAConfig, ModelConfig
+from hybridrl.config.base import ConfigError
+from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
+from hybridrl.lora import apply_lora
+from hybridrl.refit import RefitError, refit_from_model
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+from hybridrl.rollout.layers.lora_adapter import AdapterSpec
+from hybridrl.trainer.logprobs import logprobs_in_microbatches
+from hybridrl.trainer.reference import Reference
+
+TOK = builtin_tokenizer()
+SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+
+
+def _policy(arch: str, *, seed: int, random_b: bool = True, rank: int = 4):
+    torch.manual_seed(seed)
+    model = builtin_model(TOK, ModelConfig(arch=arch, **SIZES), seed=seed)
+    base = copy.deepcopy(model)
+    lora = apply_lora(model, rank=rank, alpha=2.0 * rank, dropout=0.0, target_modules=LoRAConfig().target_modules)
+    if random_b:  # B = 0 at init: draw it so that the adapter changes the outputs
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in lora.layers.values():
+                w = layer.lora_B["default"].weight
+                w.copy_(torch.randn(w.shape, generator=g) * 0.2)
+    return base, lora
+
+
+def _engine(lora, mode: str, quantization=None) -> RolloutEngine:
+    spec = AdapterSpec(lora.rank, lora.scale, tuple(lora.targets)) if mode == "adapter" else None
+    engine = RolloutEngine(lora.model.config, EngineSpec(max_batch_size=16, max_seq_len=48, lora=spec,
+                                                         quantization=quantization))
+    refit_from_model(engine, lora.refit_tensors(mode, full=True), verify=True)
+    return engine
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Mixed lengths: arithmetic prompts of 1..4-digit operands."""
+    out = []
+    for _ in range(n):
+        a, b = rng.randrange(10 ** rng.randint(1, 4)), rng.randrange(10 ** rng.randint(1, 4))
+        out.append(TOK.encode(f"{a}+{b}="))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+@pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3", "deepseek_v4"])
+def test_engine_logprobs_with_the_adapter_match_the_peft_model(arch, mode):
+    seed = random.randrange(1 << 16)
+    _, lora = _policy(arch, seed=seed)
+    engine = _engine(lora, mode)
+    # a second, partial refit after an optimizer-like change of the adapters
+    with torch.no_grad():
+        for layer in lora.layers.values():
+            layer.lora_A["default"].weight.mul_(1.1)
+    stats = refit_from_model(engine, lora.refit_tensors(mode, full=False), verify=True, partial=True)
+    assert stats.num_tensors == len(lora.targets) * (2 if mode == "adapter" else 1)
+    ro = engine.generate(_prompts(random.Random(seed), 6), SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=seed))
+    trainer, _ = logprobs_in_microbatches(lora.model, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                          temperature=1.0, max_tokens=4096)
+    gap = ((trainer - ro.logprobs).abs() * ro.response_mask).max()
+    assert gap <= 1e-5, f"{arch} {mode}: max |engine - trainer| log-prob {float(gap):.2e} (seed {seed})"
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_zero_b_init_samples_exactly_the_base_models_tokens(mode):
+    seed = random.randrange(1 << 16)
+    base, lora = _policy("qwen2", seed=seed, random_b=False)
+    plain = RolloutEngine(base.config, EngineSpec(max_batch_size=16, max_seq_len=48))
+    refit_from_model(plain, base)
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=seed)
+    prompts = _prompts(random.Random(seed), 5)
+    a, b = plain.generate(prompts, params), _engine(lora, mode).generate(prompts, params)
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert torch.equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3"])
+def test_reference_under_disable_adapter_is_the_separately_loaded_base(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    seed = random.randrange(1 << 16)
+    base, lora = _policy(arch, seed=seed)
+    base.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    ro = _engine(lora, "adapter").generate(_prompts(random.Random(seed), 4),
+                                           SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=seed))
+    ref = Reference(lora.model, temperature=1.0, max_tokens_per_microbatch=4096, adapter_off=lora.adapter_disabled)
+    expected, _ = logprobs_in_microbatches(loaded, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                           temperature=1.0, max_tokens=4096)
+    got = ref.log_probs(ro.input_ids, ro.attention_mask, ro.response_mask)
+    assert torch.equal(got, expected)
+    policy, _ = logprobs_in_microbatches(lora.model, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                         temperature=1.0, max_tokens=4096)
+    assert ((policy - got).abs() * ro.response_mask).max() > 1e-3  # the adapter is on outside the context
+
+
+def test_adapter_refit_sends_only_the_adapters_and_a_stale_adapter_fails_the_verifier(monkeypatch):
+    _, lora = _policy("qwen2", seed=random.randrange(1 << 16))
+    engine = _engine(lora, "adapter")
+    full = sum(t.numel() * t.element_size() for _, t in lora.refit_tensors("adapter", full=True))
+    stats = refit_from_model(engine, lora.refit_tensors("adapter", full=False), verify=True, partial=True)
+    assert stats.bytes_moved == sum(t.numel() * t.element_size() for _, t in lora.adapter_tensors()) < full / 5
+    assert engine.weight_version == 2
+    # an adapter left in place (its loader writes nothing) is caught: version unchanged
+    adapter = engine.model.model.layers[0].self_attn.qkv_proj.adapter
+    monkeypatch.setattr(adapter.lora_B, "weight_loader", lambda p, w, shard_id: None)
+    with torch.no_grad():
+        for layer in lora.layers.values():
+            layer.lora_B["default"].weight.add_(0.5)
+    with pytest.raises(RefitError, match="checksum|differ|mismatch"):
+        refit_from_model(engine, lora.refit_tensors("adapter", full=False), verify=True, partial=True)
+    assert engine.weight_version == 2
+    # a partial refit that leaves an adapter out is refused: nothing committed
+    with pytest.raises(RefitError, match="never sent|incomplete"):
+        from hybridrl.refit import Refit
+
+        names = lora.adapter_tensors()
+        refit = Refit(engine).begin([n for n, _ in names], partial=True)
+        refit.load(names[:-1])
+        refit.finish()
+    assert engine.weight_version == 2
+
+
+def test_merged_refit_requantizes_fp8_rollout_weights():
+    _, lora = _policy("qwen2", seed=random.randrange(1 << 16))
+    engine = _engine(lora, "merged", quantization="fp8")
+    stats = refit_from_model(engine, lora.refit_tensors("merged", full=False), verify=True, partial=True)
+    assert stats.num_tensors == len(lora.targets)
+    ro = engine.generate(_prompts(random.Random(0), 4), SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3))
+    trainer, _ = logprobs_in_microbatches(lora.model, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                          temperature=1.0, max_tokens=4096)
+    assert ((trainer - ro.logprobs).abs() * ro.response_mask).max() < 0.5  # FP8 error, not a stale weight
+
+
+def test_bad_lora_settings_are_one_line_errors():
+    from hybridrl.config.io import load_config
+
+    model = builtin_model(TOK, ModelConfig(arch="deepseek_v3", **SIZES))
+    with pytest.raises(ConfigError, match=r"match no module.*linear modules are .*kv_b_proj.*q_proj"):
+        apply_lora(model, rank=4, alpha=8, dropout=0, target_modules=["qkv"])
+    with pytest.raises(ConfigError, match="fused 3-D parameters"):
+        apply_lora(copy.deepcopy(model), rank=4, alpha=8, dropout=0, target_modules=["experts"])
+    with pytest.raises(ConfigError, match=r"model.lora.rank=999 exceeds .*q_proj"):
+        apply_lora(copy.deepcopy(model), rank=999, alpha=8, dropout=0, target_modules=["q_proj"])
+    lora = apply_lora(model, rank=4, alpha=8, dropout=0, target_modules=["kv_b_proj"])
+    with pytest.raises(ValueError, match="cannot apply an adapter to .*kv_b_proj.*lora_mode=merged"):
+        RolloutEngine(model.config, EngineSpec(max_batch_size=2, max_seq_len=16,
+                                               lora=AdapterSpec(4, 2.0, tuple(lora.targets))))
+    for bad, key in ((["rollout.backend=vllm"], "rollout.backend=vllm"),
+                     (["rollout.quantization=fp8"], "lora_mode=merged"),
+                     (["launcher.nproc_per_node=2"], "2 ranks"),
+                     (["model.lora.init=pissa"], "model.lora.init"),
+                     (["rollout.lora_mode=both"], "rollout.lora_mode")):
+        with pytest.raises(ConfigError, match=key) as e:
+            load_config(None, ["model.lora.rank=4", *bad])
+        assert "\n" not in str(e.value)
+
+
+def test_export_writes_a_peft_adapter_folder_and_the_merged_model(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.cli import main
+
+    run = ["model.lora.rank=4", "warm_start.steps=20", "trainer.total_steps=2", "trainer.eval_every=2",
+           "rollout.n=4", "batch.prompts_per_step=4", "data.eval_size=8", "eval.k=0", "logging.progress=false",
+           "logging.plot=false", "logging.tensorboard=false", "optim.lr=3e-2", f"trainer.output_dir={tmp_path}",
+           "trainer.run_name=r"]
+    assert main(["train", *run]) == 0
+    checkpoint = tmp_path / "r" / "checkpoint"
+    assert not (checkpoint / "model.safetensors").exists()  # the adapters only
+    # two RL steps at this size barely move B: draw it, so that the merge is not the base
+    from safetensors.torch import load_file, save_file
+
+    adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
+    adapter = {k: torch.randn_like(v) * 0.1 if "lora_B" in k else v for k, v in adapter.items()}
+    save_file(adapter, str(checkpoint / "adapter_model.safetensors"))
+    assert main(["export", str(checkpoint), str(tmp_path / "exp"), "--merged"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "exp" / "base", local_files_only=True)
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "exp" / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "exp" / "merged", local_files_only=True)
+    x = torch.randint(1, len(TOK), (3, 11))
+    with torch.no_grad():
+        a, b = peft(input_ids=x).logits, merged(input_ids=x).logits
+        with peft.disable_adapter():
+            c = peft(input_ids=x).logits
+    assert (a - b).abs().max() < 1e-4
+    assert (a - c).abs().max() > 1e-3  # the adapter is applied
+    assert main(["export", str(checkpoint), str(tmp_path / "exp")]) == 2  # exists: one line, no partial folder
