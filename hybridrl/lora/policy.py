@@ -128,12 +128,15 @@ class LoRAPolicy:
         self.base_version += 1
 
     # -- tensors towards the engine (HF names; whole tensors, gathered from FSDP2 shards) --
-    def adapter_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """``X.lora_A.weight [r, in]`` and ``X.lora_B.weight [out, r]`` of every target."""
+    def adapter_tensors(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+        """``X.lora_A.weight [r, in]`` and ``X.lora_B.weight [out, r]`` of every target, cast to
+        ``dtype`` (the engine's: peft keeps adapters in float32 over a bf16 base, and the
+        engine holds them in its own dtype, so a refit sends no more than that)."""
         out = []
         for name, layer in self.layers.items():
-            out.append((f"{name}.lora_A.weight", _full(layer.lora_A[ADAPTER].weight.detach())))
-            out.append((f"{name}.lora_B.weight", _full(layer.lora_B[ADAPTER].weight.detach())))
+            for part, m in (("lora_A", layer.lora_A), ("lora_B", layer.lora_B)):
+                t = _full(m[ADAPTER].weight.detach())
+                out.append((f"{name}.{part}.weight", t if dtype is None else t.to(dtype)))
         return out
 
     def merged_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -154,12 +157,14 @@ class LoRAPolicy:
         out = [(hf_name(n), _full(p.detach())) for n, p in self.model.named_parameters() if not is_adapter(n)]
         return out + [(hf_name(n), b) for n, b in named_persistent_buffers(self.model)]
 
-    def refit_tensors(self, mode: str, *, full: bool) -> list[tuple[str, torch.Tensor]]:
+    def refit_tensors(self, mode: str, *, full: bool, dtype: torch.dtype | None = None
+                      ) -> list[tuple[str, torch.Tensor]]:
         """What one refit sends: ``full`` (an engine that never held the base) — the base,
         with the targets merged (``mode="merged"``) or plus the adapter (``"adapter"``);
-        otherwise only the adapter, or only the merged targets."""
+        otherwise only the adapter, or only the merged targets. ``dtype``: the engine's,
+        for the adapters (see ``adapter_tensors``)."""
         if mode == "adapter":
-            return (self.base_tensors() if full else []) + self.adapter_tensors()
+            return (self.base_tensors() if full else []) + self.adapter_tensors(dtype)
         if mode != "merged":
             raise ValueError(f"LoRAPolicy.refit_tensors: mode={mode!r}; use adapter or merged")
         merged = self.merged_tensors()

@@ -73,7 +73,8 @@ class RolloutWorker:
         the adapters or the merged targets only (a few MB), verified like a full one."""
         if self.lora is not None:
             full = self.engine.weight_version == 0 or self._engine_base_version != self.lora.base_version
-            named = self.lora.refit_tensors(self.lora_mode, full=full)  # whole tensors (FSDP2: gathered)
+            named = self.lora.refit_tensors(self.lora_mode, full=full,  # whole tensors (FSDP2: gathered)
+                                            dtype=getattr(self.engine, "dtype", None))
             stats = refit_from_model(self.engine, named, bucket_bytes=self.bucket_bytes, verify=self.verify_refit,
                                      partial=not full)
             self._engine_base_version = self.lora.base_version
