@@ -27,20 +27,27 @@ DCP_DIR = "dcp"
 EXPORT_BUCKET_BYTES = 256 << 20
 
 
-def save_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Every rank writes its shards of ``model`` (and ``optimizer``) under ``path``."""
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+def save_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+             trainable_only: bool = False) -> None:
+    """Every rank writes its shards of ``model`` (and ``optimizer``) under ``path``;
+    ``trainable_only``: the parameters that require grad (a LoRA policy's adapters)."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
     state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
     dcp.save(state, checkpoint_id=str(path))
 
 
-def load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a DCP checkpoint into ``model`` (sharded or not, any world size) in place."""
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+def load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+              trainable_only: bool = False) -> None:
+    """Load a DCP checkpoint into ``model`` (sharded or not, any world size) in place
+    (``trainable_only``: as :func:`save_dcp` wrote it; the frozen parameters are left as they are)."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
     state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
+                   optim_state_dict=state.get("optim", {}),
+                   options=StateDictOptions(strict=not trainable_only, ignore_frozen_params=trainable_only))
 
 
 def unsharded_twin(model: torch.nn.Module) -> torch.nn.Module:

@@ -28,19 +28,25 @@ def save_data_parallel(run, cfg, step_no: int, config_yaml: str,
     if dp.is_main:
         shutil.rmtree(staging, ignore_errors=True)
     dist.barrier()
-    save_dcp(staging / "policy", actor.model, actor.optimizer)
+    lora = run.lora  # LoRA: the adapters (+ their optimizer state) only; the base is the run's lora_base
+    save_dcp(staging / "policy", actor.model, actor.optimizer, trainable_only=lora is not None)
     if critic is not None:
         save_dcp(staging / "critic", critic.model, critic.optimizer)
-    if reference is not None:
+    if reference is not None and not reference.shares_policy:
         save_dcp(staging / "reference", reference.model)
     dist.barrier()
+    adapter = lora.trainable_state() if lora is not None else None  # gathered on every rank
     if not dp.is_main:
-        export_hf(actor.model, None)
+        if lora is None:
+            export_hf(actor.model, None)
         dist.barrier()
         return None
 
     def write(directory: Path) -> None:
-        export_hf(actor.model, directory)
+        if lora is not None:
+            lora.write_adapter(directory, adapter)
+        else:
+            export_hf(actor.model, directory)
         actor.model.config.save_pretrained(directory)
         run.tokenizer.save_pretrained(directory)
         (directory / "hybridrl_config.yaml").write_text(config_yaml)
@@ -56,8 +62,9 @@ def save_data_parallel(run, cfg, step_no: int, config_yaml: str,
 def load_run_dcp(directory: Path, run) -> None:
     """Every rank loads its shards of the policy (+ optimizer), critic and reference."""
     step = run.step
-    load_dcp(directory / DCP_DIR / "policy", step.actor.model, step.actor.optimizer)
+    load_dcp(directory / DCP_DIR / "policy", step.actor.model, step.actor.optimizer,
+             trainable_only=run.lora is not None)
     if step.critic is not None:
         load_dcp(directory / DCP_DIR / "critic", step.critic.model, step.critic.optimizer)
-    if step.reference is not None:
+    if step.reference is not None and not step.reference.shares_policy:
         load_dcp(directory / DCP_DIR / "reference", step.reference.model)

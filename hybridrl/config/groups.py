@@ -381,9 +381,6 @@ class Config:
         if r.backend == "vllm":
             raise ConfigError("model.lora with rollout.backend=vllm is not supported yet (neither vLLM's LoRARequest "
                               "path nor a partial reload is wired up); use rollout.backend=builtin")
-        if self.launcher.ranks > 1:
-            raise ConfigError(f"model.lora with {self.launcher.ranks} ranks: not supported yet (FSDP2-sharded "
-                              "adapters and tensor-parallel adapter refits are untested); use one process")
         if r.quantization and r.lora_mode == "adapter" and "fp8" in r.quantization:
             raise ConfigError(f"rollout.quantization={r.quantization} with rollout.lora_mode=adapter: the FP8 "
                               "rollout weights would be the base's while the adapters stay full precision; use "

@@ -197,6 +197,15 @@ class LoRAPolicy:
         ``PeftModel.from_pretrained(base, directory)`` loads."""
         self.peft_model.save_pretrained(str(directory), safe_serialization=True)
 
+    def write_adapter(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
+        """:meth:`save_adapter` from an already gathered :meth:`trainable_state` (a sharded
+        run: every rank gathers, one writes)."""
+        from safetensors.torch import save_file
+
+        self.peft_model.peft_config[ADAPTER].save_pretrained(str(directory))
+        save_file({k: v.cpu() for k, v in state.items()}, str(Path(directory) / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+
     def merged_copy(self) -> torch.nn.Module:
         """A plain HF model with the adapters merged in (``merge_and_unload`` of a copy)."""
         import copy

@@ -34,6 +34,9 @@ def test_tp2_engine_equals_the_whole_engine(tmp_path, family):
         # larger share at this tiny width) stay whole
         bound = 0.66 if family == "deepseek_v4" else 0.62
         assert r["bytes_sharded"] <= bound * r["bytes_whole"], (r["bytes_sharded"], r["bytes_whole"])
+        # LoRA adapters in the TP layout (column-parallel B rows, row-parallel A columns added
+        # before the all-reduce) sample what the whole engine's adapters sample
+        assert r["lora_targets"] > 0 and r["lora_sampled_equal"] and r["lora_logprob_gap"] < 1e-5, r
         if family == "qwen2":  # KV heads split: half the cache; replicated (kv1) / latent (MLA): all of it
             assert r["kv_sharded"] * 2 == r["kv_whole"]
     from hybridrl.distributed.plan import engine_bytes
