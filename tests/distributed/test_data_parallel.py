@@ -46,7 +46,8 @@ def _rows(run: Path) -> list[dict]:
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(run / "checkpoint" / "model.safetensors"))
+    adapter = run / "checkpoint" / "adapter_model.safetensors"  # a LoRA run's checkpoint: the adapters
+    return load_file(str(adapter if adapter.exists() else run / "checkpoint" / "model.safetensors"))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

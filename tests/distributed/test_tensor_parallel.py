@@ -64,16 +64,21 @@ def test_tp2_engine_on_cuda_equals_the_whole_engine(tmp_path, family):
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3", "deepseek_v4"])
+@pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3", "deepseek_v4", "deepseek_v3_lora"])
 def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
     """FSDP2 over 2 ranks, one TP=2 engine between them (refit FSDP shards -> TP shards,
-    verified), against one process with a whole engine: the same rollouts, the same losses."""
+    verified), against one process with a whole engine: the same rollouts, the same losses.
+    ``_lora``: FSDP2-sharded LoRA adapters (the reference = the base), adapter-only refits
+    into the TP shards, and the adapters compared at the end."""
     from test_data_parallel import LOSSES, _rows, _weights, train_subprocess
 
     # one-digit sums and a longer warm start: some rewards are non-zero; the entropy bonus and
     # the KL term make every step move the weights whatever the rewards
     extra = ["trainer.total_steps=3", "data.num_digits=1", "warm_start.steps=150", "warm_start.lr=3e-3",
              "algo.policy_loss.entropy_coeff=0.01", "algo.kl.coef=0.05"]
+    if arch.endswith("_lora"):
+        arch = arch.removesuffix("_lora")
+        extra += ["model.lora.rank=4", "optim.lr=3e-3"]
     extra += [f"model.arch={arch}", "rollout.routing_replay=true"] if arch != "qwen2" else []
     one = train_subprocess(tmp_path, "one", extra)
     assert one.returncode == 0, one.stderr[-3000:]
