@@ -121,7 +121,7 @@ def memory_rows(tmp: Path) -> list[dict]:
         if res.returncode:
             raise RuntimeError(f"memory child ({side}) failed: {res.stderr[-1500:]}")
         out[side] = json.loads(res.stdout.strip().splitlines()[-1])["rss_mib"]
-    return [row(case="rl step, 8-layer 512-wide qwen2 (13M non-embedding), GRPO + KL", metric="trainer peak RSS MiB",
+    return [row(case="rl step, 8-layer 512-wide qwen2 (24M), GRPO + KL", metric="trainer peak RSS MiB",
                 ours=out["lora"], baseline=out["full"],
                 baseline_name="full fine-tuning (AdamW over all weights + a reference copy)", higher_is_better=False)]
 
