@@ -168,6 +168,9 @@ def _safetensors_files(p: Path, path: str, where: str) -> list[Path]:
         return [p / "model.safetensors"]
     if any((p / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         return []  # the trainer's transformers loader reads these; errors surface when loading
+    if (p / "adapter_config.json").is_file():
+        raise ValueError(f"{where}={path}: a LoRA adapter checkpoint, not a model; run `hybridrl export {path} OUT "
+                         "--merged` and use OUT/merged")
     raise ValueError(f"{where}={path}: no weights there (model.safetensors or model.safetensors.index.json); "
                      f"the checkpoint is incomplete: {_RESAVE}")
 
