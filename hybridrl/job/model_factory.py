@@ -134,6 +134,9 @@ def check_checkpoint(path: str, where: str = "model.path") -> Path:
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"{where}={path}: {'not a directory' if p.exists() else 'no such directory'}; {_FIX}")
+    if (p / "adapter_config.json").is_file():
+        raise ValueError(f"{where}={path}: a LoRA adapter checkpoint, not a model; run `hybridrl export {path} OUT "
+                         "--merged` and use OUT/merged")
     if not (p / "config.json").is_file():
         raise ValueError(f"{where}={path}: no config.json there; {_FIX}")
     config = _read_json(p / "config.json", path, where)
@@ -168,9 +171,6 @@ def _safetensors_files(p: Path, path: str, where: str) -> list[Path]:
         return [p / "model.safetensors"]
     if any((p / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         return []  # the trainer's transformers loader reads these; errors surface when loading
-    if (p / "adapter_config.json").is_file():
-        raise ValueError(f"{where}={path}: a LoRA adapter checkpoint, not a model; run `hybridrl export {path} OUT "
-                         "--merged` and use OUT/merged")
     raise ValueError(f"{where}={path}: no weights there (model.safetensors or model.safetensors.index.json); "
                      f"the checkpoint is incomplete: {_RESAVE}")
 

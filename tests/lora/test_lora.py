@@ -161,7 +161,7 @@ def test_bad_lora_settings_are_one_line_errors():
                                                lora=AdapterSpec(4, 2.0, tuple(lora.targets))))
     for bad, key in ((["rollout.backend=vllm"], "rollout.backend=vllm"),
                      (["rollout.quantization=fp8"], "lora_mode=merged"),
-                     (["launcher.nproc_per_node=2"], "2 ranks"),
+                     (["trainer.mode=async"], "trainer.mode=async"),
                      (["model.lora.init=pissa"], "model.lora.init"),
                      (["rollout.lora_mode=both"], "rollout.lora_mode")):
         with pytest.raises(ConfigError, match=key) as e:
