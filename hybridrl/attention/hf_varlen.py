@@ -57,7 +57,17 @@ def register() -> None:
 
 @contextlib.contextmanager
 def varlen_attention_for(model: torch.nn.Module) -> Iterator[None]:
-    """Run ``model`` with :data:`VARLEN_ATTN` inside the block, restoring its own after."""
+    """Run ``model`` with :data:`VARLEN_ATTN` inside the block, restoring its own after.
+    Under batch-invariant numerics (``rollout.exact``) the packed row runs the exact
+    engine's attention instead (``hybridrl/exact/attention.py``), per sequence."""
+    from hybridrl.exact import ops
+
+    if ops.active():
+        from hybridrl.exact.attention import exact_attention_for
+
+        with exact_attention_for(model):
+            yield
+        return
     register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(VARLEN_ATTN)

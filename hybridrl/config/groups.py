@@ -202,6 +202,10 @@ class RolloutConfig:
     tensor_parallel_size: int = _f(1, "built-in engine: ranks that hold one engine between them (Megatron layout: "
                                       "heads, MLP and expert widths, vocabulary split); the world's ranks form "
                                       "world / T generation groups, each serving its ranks' prompts")
+    exact: bool = _f(False, "sample with the trainer's own modules under batch-invariant numerics: the rollout "
+                            "log-probs are bitwise the trainer's, the old-log-prob pass is skipped (docs/exact.md)")
+    exact_recompute: bool = _f(False, "with rollout.exact: run the old-log-prob pass anyway and fail the step if "
+                                      "it differs from the rollout's by one bit (a check, not needed)")
 
     def __post_init__(self) -> None:
         from hybridrl.rollout.sampling_params import SamplingParams
@@ -368,6 +372,7 @@ class Config:
                                   "different numbers of rounds); set it to 0 with several ranks")
         self._check_pipeline()
         self._check_lora()
+        self._check_exact()
         if not self.data.train_files and self.batch.prompts_per_step > self.data.train_size:
             raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} exceeds "
                               f"data.train_size={self.data.train_size}; lower it or add prompts")
@@ -388,6 +393,32 @@ class Config:
         if self.trainer.mode != "sync":
             raise ConfigError(f"model.lora with trainer.mode={self.trainer.mode}: not supported yet (the rollout "
                               "workers' refit sends whole models); use trainer.mode=sync")
+
+    def _check_exact(self) -> None:
+        """What rollout.exact cannot hold (it samples with the trainer's modules, in one process)."""
+        r = self.rollout
+        if r.exact_recompute and not r.exact:
+            raise ConfigError("rollout.exact_recompute checks rollout.exact; set rollout.exact=true")
+        if not r.exact:
+            return
+        unsupported = {
+            f"rollout.backend={r.backend}": (r.backend != "builtin", "vLLM's kernels are not batch-invariant"),
+            f"rollout.quantization={r.quantization}": (r.quantization is not None, "quantized rollout weights "
+                                                                                      "are another policy"),
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size}": (r.tensor_parallel_size > 1,
+                                                                      "split reductions are not the trainer's"),
+            f"trainer.mode={self.trainer.mode}": (self.trainer.mode != "sync", "stale weights are not on-policy"),
+            f"launcher ranks={self.launcher.ranks}": (self.launcher.ranks > 1, "the exact engine runs the trainer's "
+                                                                               "unsharded modules, one process"),
+            f"model.arch={self.model.arch}": (self.model.arch == "deepseek_v4", "its compressed attention runs "
+                                                                              "padded only, not through the exact "
+                                                                              "attention"),
+            "env.name": (self.env.name is not None, "agent episodes step the built-in engine's requests"),
+        }
+        for key, (bad, why) in unsupported.items():
+            if bad:
+                raise ConfigError(f"rollout.exact with {key}: not supported ({why}); set rollout.exact=false or "
+                                  "drop that setting")
 
     def _check_pipeline(self) -> None:
         """What trainer.mode one_step_off / async do not cover (yet), each refused in one line."""

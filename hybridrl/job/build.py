@@ -183,7 +183,7 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
         model = lora.model
     engine = build_engine(cfg, model.config, device=device, ranks=dp.world_size if dp is not None else 1,
                           longest_prompt=longest_prompt, tensor_parallel=mesh.tp if mesh is not None else None,
-                          lora=lora)
+                          lora=lora, policy=model)
     actor = Actor.from_config(model, cfg)
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
                                         device=device, mesh=mesh, lora=lora)
@@ -192,6 +192,7 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
     step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
                   train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0),
                   dp=dp)
+    step.exact_recompute = cfg.rollout.exact_recompute
     if cfg.env.name is not None:
         step.episodes = build_episode_sampler(cfg, engine, tokenizer, step.scorer, rollout.sampling)
     return step

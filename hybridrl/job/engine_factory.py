@@ -10,12 +10,13 @@ from hybridrl.config import Config
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int,
-                 tensor_parallel=None, lora=None):
+                 tensor_parallel=None, lora=None, policy=None):
     """The run's rollout engine (``rollout.backend``), sized for this rank's share of a
     step's responses (a tensor-parallel group's: its ranks' shares) and the longest prompt
     plus ``rollout.max_tokens``. ``tensor_parallel``: this rank's place in its group.
     ``lora``: the policy's ``LoRAPolicy``; with ``rollout.lora_mode=adapter`` the engine is
-    built to apply its adapters (merged mode needs nothing of the engine)."""
+    built to apply its adapters (merged mode needs nothing of the engine). ``policy``: the
+    trainer's module, which ``rollout.exact`` samples with (``hybridrl/exact/engine.py``)."""
     from hybridrl.rollout import EngineSpec
     from hybridrl.rollout.layers.tensor_parallel import SINGLE
 
@@ -24,6 +25,13 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
     spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks * tensor_parallel.size, 256),
                       max_seq_len=cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
                       quantization=r.quantization, lora=_adapter_spec(lora, r.lora_mode))
+    if r.exact:
+        from hybridrl.exact.engine import ExactEngine
+
+        if policy is None:
+            raise ValueError("rollout.exact samples with the trainer's own modules: pass policy= to build_engine")
+        return ExactEngine(policy, max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
+                           pad_token_id=getattr(hf_config, "pad_token_id", None) or 0)
     if r.backend == "vllm":
         from hybridrl.vllm_backend import VllmEngine
 

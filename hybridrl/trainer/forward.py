@@ -209,6 +209,10 @@ def _resolve_backend(attn_backend: str, device: torch.device, dtype: torch.dtype
         return "bucketed"
     if attn_backend != "auto":
         return attn_backend
+    from hybridrl.exact import ops
+
+    if ops.active():  # rollout.exact: one packed row, the exact attention per sequence
+        return "varlen"
     if device.type == "cuda" and flash_attn_usable(torch.empty(0, device=device, dtype=dtype)):
         return "varlen"
     if device.type == "cpu" and mean_len >= CPU_VARLEN_MIN_MEAN_LEN:

@@ -69,6 +69,10 @@ class RLStep:
         # trainer.mode one_step_off / async: the batches come from a Pipeline of rollout
         # workers, and `rollout` (this process's engine) serves eval, refit on demand
         self.pipeline = None
+        # rollout.exact: the engine samples with the policy's own modules under batch-invariant
+        # numerics (hybridrl/exact), so its log-probs *are* the old log-probs: no recompute pass
+        self.exact = bool(getattr(rollout.engine, "shares_trainer_weights", False))
+        self.exact_recompute = False  # rollout.exact_recompute: recompute anyway, require equal bits
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -157,7 +161,16 @@ class RLStep:
 
     # ---- the recipe ---------------------------------------------------------------------
     def __call__(self, rng: random.Random) -> dict[str, float]:
-        """One RL step; returns its metrics (phase seconds included)."""
+        """One RL step; returns its metrics (phase seconds included). With ``rollout.exact``
+        every forward of the step (sampling, log-probs, the update's) runs batch-invariant."""
+        if not self.exact:
+            return self._step(rng)
+        from hybridrl.exact import batch_invariant
+
+        with batch_invariant():
+            return self._step(rng)
+
+    def _step(self, rng: random.Random) -> dict[str, float]:
         timer, metrics = PhaseTimer(PHASES), {}
         if self.pipeline is not None:
             with timer.phase("rollout"):  # waiting for the batch: the trainer's idle time
@@ -304,7 +317,11 @@ class RLStep:
         of this update) that the decoupled objective clips around, the engine's the behaviour
         policy's; an on-policy-shaped update gets the proximal ones from its own forward."""
         ro, metrics = sb.rollouts, {}
-        if self.needs_old_log_prob():
+        if self.exact:  # the engine's log-probs are the trainer's, bit for bit
+            sb.tensors["old_log_prob"] = ro.logprobs.clone()
+            if self.exact_recompute:
+                metrics.update(self._check_exact(sb))
+        elif self.needs_old_log_prob():
             sb.tensors["old_log_prob"], _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask,
                                                                         ro.response_mask,
                                                                         routed_experts=ro.routed_experts)
@@ -316,6 +333,22 @@ class RLStep:
             kl = algos.kl_penalty(ro.logprobs, ref, self.algo.kl.estimator)
             metrics["actor/kl"] = float(algos.masked_mean(kl, ro.response_mask))
         return metrics
+
+    def _check_exact(self, sb: StepBatch) -> dict[str, float]:
+        """rollout.exact_recompute: the old-log-prob pass, required equal to the rollout's bits;
+        the recomputed values are the ones trained on (identical when the check passes)."""
+        ro = sb.rollouts
+        old, _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask, ro.response_mask,
+                                             routed_experts=ro.routed_experts)
+        mask = ro.response_mask.bool()
+        differ = int((old[mask] != ro.logprobs[mask]).sum())
+        if differ:
+            worst = float((old[mask] - ro.logprobs[mask]).abs().max())
+            raise RuntimeError(f"rollout.exact: {differ} of {int(mask.sum())} response tokens have other trainer "
+                               f"log-probs than the rollout's (max |diff| {worst:.3g}); this machine or model breaks "
+                               "batch invariance: report it, and run with rollout.exact=false meanwhile")
+        sb.tensors["old_log_prob"] = old
+        return {"actor/exact_mismatched_tokens": 0.0}
 
     def advantages(self, sb: StepBatch) -> dict[str, float]:
         """Token rewards (KL penalty in the reward if configured), then advantages and returns."""

@@ -70,7 +70,12 @@ class RolloutWorker:
         FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``), or, into a
         built-in tensor-parallel shard, exchanged shard to shard (``distributed/tp_refit.py``).
         LoRA: the base is frozen, so after the engine's first load a refit is *partial* —
-        the adapters or the merged targets only (a few MB), verified like a full one."""
+        the adapters or the merged targets only (a few MB), verified like a full one. An
+        engine that runs the trainer's own modules (``rollout.exact``) is sent nothing: it
+        advances its version, as a refit of identical weights would."""
+        if getattr(self.engine, "shares_trainer_weights", False):
+            self.expected_version = self.engine.advance_version()
+            return RefitStats(bytes_moved=0, seconds=0.0, version=self.expected_version, num_tensors=0)
         if self.lora is not None:
             full = self.engine.weight_version == 0 or self._engine_base_version != self.lora.base_version
             named = self.lora.refit_tensors(self.lora_mode, full=full,  # whole tensors (FSDP2: gathered)

@@ -17,8 +17,8 @@ TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attentio
         "warm_start.steps=20", "trainer.total_steps=3", "trainer.eval_every=3", "trainer.threads=1",
         "refit.verify=true", "checkpoint.every=0", "logging.tensorboard=false", "logging.plot=false",
         "logging.progress=false"]
+# The default loss aggregation (token-mean) runs in gae_critic and both DeepSeek cases.
 CASES = {
-    "grpo_token_mean": [],
     "grpo_seq_mean_token_mean_kl": ["algo.loss_agg_mode=seq-mean-token-mean", "algo.kl.coef=0.05"],
     "gae_critic": ["algo.advantage.estimator=gae", "algo.kl.coef=0.02", "algo.kl.use_loss=false"],
     # transformers' DeepseekV3ForCausalLM sharded by FSDP2: MLA (q/k head dim != v head dim in

@@ -1,0 +1,169 @@
+"""The exact rollout engine (``rollout.exact=true``): samples with the trainer's own modules
+under batch-invariant numerics, so its log-probs are bitwise the trainer's recomputation.
+
+It holds no weights of its own: it runs the policy module the trainer trains (colocated,
+one process), so a "refit" moves nothing and can deliver no stale or half-written
+weight; ``advance_version`` numbers the policy after each update like a refit would.
+
+Generation: the requests of a chunk (up to ``max_batch_size`` rows) are left-padded
+into one batch, prefilled in one call and decoded one token per call for every row with
+transformers' KV cache; attention is :data:`~hybridrl.exact.attention.EXACT_ATTN` with
+each row's sequence start, every GEMM / transcendental / vocabulary reduction runs under
+:func:`~hybridrl.exact.ops.batch_invariant`. A row's tokens and log-probs therefore
+depend on its own prompt, seed and the weights only. Rows that finished keep decoding
+(their outputs are dropped) until the chunk is done: a static batch, not the built-in
+engine's continuous batching (docs/exact.md gives the cost).
+
+Sampling follows the built-in sampler's contract (per-row uniforms from the row's own seed,
+inverse CDF of the truncated distribution; reported log-prob = the full distribution's),
+with logits scaled exactly as the trainer scores them: ``z.float() / T`` by a Python
+scalar, then ``z - logsumexp(z)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.exact.attention import exact_attention_for
+from hybridrl.exact.ops import batch_invariant, check_batch_invariance, exact_log_softmax
+from hybridrl.rollout.backend import expand_requests
+from hybridrl.rollout.layers.sampler import _truncate, make_uniforms
+from hybridrl.rollout.rollouts import build_rollouts
+from hybridrl.rollout.sampling_params import SamplingParams
+
+
+NOT_EXACT = {"deepseek_v4": "its compressed attention runs padded only, not through the exact attention"}
+
+
+class ExactEngine:
+    """``generate`` over ``model`` (a transformers causal LM, the trainer's policy module)."""
+
+    shares_trainer_weights = True  # RolloutWorker: nothing to send, the version advances
+
+    def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_seq_len: int, pad_token_id: int = 0):
+        model_type = getattr(model.config, "model_type", None)
+        if model_type in NOT_EXACT:
+            raise ValueError(f"rollout.exact: {model_type} is not supported ({NOT_EXACT[model_type]}); "
+                             "set rollout.exact=false")
+        check_batch_invariance(next(model.parameters()).dtype)
+        self.model = model
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.pad_token_id = pad_token_id
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.dtype = next(model.parameters()).dtype
+        self._weight_version = 0
+
+    # ---- weights: the trainer's own ------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def weight_update_in_progress(self) -> bool:
+        return False
+
+    def advance_version(self) -> int:
+        """The policy changed (an optimizer step, a load): +1, like a complete refit."""
+        self._weight_version += 1
+        return self._weight_version
+
+    def state_dict(self) -> dict[str, int]:
+        return {"weight_version": self._weight_version}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._weight_version = int(state["weight_version"])
+
+    # ---- inference -----------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None):
+        """Sample every prompt's responses (``n`` per prompt, rows prompt-major) -> ``Rollouts``."""
+        samples = expand_requests(prompt_token_ids, params or SamplingParams(), self.max_seq_len, self.vocab_size)
+        prompts, responses, logprobs, reasons = [], [], [], []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), batch_invariant(), exact_attention_for(self.model):
+                for s in range(0, len(samples), self.max_batch_size):
+                    chunk = samples[s:s + self.max_batch_size]
+                    for (prompt, _, _, _), out in zip(chunk, self._generate_chunk(chunk)):
+                        prompts.append(prompt)
+                        responses.append(out[0])
+                        logprobs.append(out[1])
+                        reasons.append(out[2])
+        finally:
+            self.model.train(was_training)
+        ro = build_rollouts(prompts, responses, logprobs, reasons, self._weight_version, self.pad_token_id)
+        ro.token_versions = torch.where(ro.response_mask.bool(), self._weight_version, -1)
+        return ro
+
+    def _generate_chunk(self, chunk):
+        from transformers import DynamicCache
+
+        device = next(self.model.parameters()).device
+        B = len(chunk)
+        lengths = torch.tensor([len(p) for p, *_ in chunk])
+        P = int(lengths.max())
+        starts = (P - lengths).to(device)
+        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        for b, (prompt, *_) in enumerate(chunk):
+            ids[b, P - len(prompt):] = torch.tensor(prompt)
+        ids = ids.to(device)
+        max_new = [m for *_, m in chunk]
+        steps = max(max_new)
+        uniforms = make_uniforms([seed for _, _, seed, _ in chunk], steps, device)
+        temps = [p.temperature for _, p, _, _ in chunk]
+        stops = [set(p.stop_token_ids) for _, p, _, _ in chunk]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for _, p, _, _ in chunk],
+                             device=device).view(B, 1)
+        top_p = torch.tensor([p.top_p for _, p, _, _ in chunk], dtype=torch.float32, device=device).view(B, 1)
+        truncate = bool((top_k < self.vocab_size).any() or (top_p < 1).any())
+
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        head = self.model.get_output_embeddings()
+        cache = DynamicCache(config=self.model.config)
+        positions = (torch.arange(P, device=device).view(1, P) - starts.view(B, 1)).clamp(min=0)
+        hidden = backbone(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                          exact_key_starts=starts).last_hidden_state[:, -1]
+        out_tokens = [[] for _ in range(B)]
+        out_logp = [[] for _ in range(B)]
+        reason = [None] * B
+        for step in range(steps):
+            logits = head(hidden)
+            tokens, logp = self._sample(logits, temps, uniforms[:, step:step + 1], top_k, top_p, truncate)
+            tl, ll = tokens.tolist(), logp.tolist()
+            for b in range(B):
+                if reason[b] is not None:
+                    continue
+                out_tokens[b].append(tl[b])
+                out_logp[b].append(ll[b])
+                if tl[b] in stops[b]:
+                    reason[b] = "stop"
+                elif len(out_tokens[b]) >= max_new[b]:
+                    reason[b] = "length"
+            if all(r is not None for r in reason):
+                break
+            pos = (P + step - starts).view(B, 1)
+            hidden = backbone(input_ids=tokens.view(B, 1), position_ids=pos, past_key_values=cache, use_cache=True,
+                              exact_key_starts=starts).last_hidden_state[:, -1]
+        return [(out_tokens[b], out_logp[b], reason[b]) for b in range(B)]
+
+    @staticmethod
+    def _sample(logits, temps, u, top_k, top_p, truncate):
+        """logits [B, V] (model dtype) -> tokens [B] long, log-probs [B] float32."""
+        z = logits.float()
+        if len(set(temps)) == 1:
+            t = temps[0]
+            if t not in (0.0, 1.0):
+                z = z / t  # a Python scalar, as the trainer divides
+        else:
+            z = torch.stack([row / t if t not in (0.0, 1.0) else row for row, t in zip(z, temps)])
+        logp = exact_log_softmax(z)
+        greedy = torch.tensor([t == 0 for t in temps], device=z.device)
+        probs = logp.exp()
+        if truncate:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            probs = torch.zeros_like(probs).scatter_(-1, order, _truncate(sorted_probs, top_k, top_p))
+        cdf = probs.double().cumsum(dim=-1)
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=z.shape[-1] - 1).squeeze(-1)
+        tokens = torch.where(greedy, z.argmax(dim=-1), tokens)
+        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

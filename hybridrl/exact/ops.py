@@ -1,0 +1,177 @@
+"""Batch-invariant numerics on CPU: a torch function mode under which one row's result
+never depends on how many rows were computed with it, or where in the tensor it sat.
+
+Why each op needs it (measured on torch 2.13 CPU, MKL / oneDNN, 2 threads):
+
+- ``F.linear``: MKL's float32 GEMM takes other kernels for a few rows (M in 1-7 and 9
+  gave other bits than the same rows inside M >= 16); multiples of ``ROW_TILE`` rows
+  gave the same bits for every M tried (16 ... 4096), bf16 too. So the rows are
+  zero-padded up to a multiple of ``ROW_TILE``: a decode step of 3 rows runs the
+  kernel of 16, like the trainer's 4000.
+- transcendental elementwise ops (silu, sigmoid, cos, sin, ...): torch's vectorized
+  loop computes the tail of a buffer (and of each thread's chunk) with the scalar
+  formula, which differs from the SIMD one in the last bit for ~4% of inputs; so the
+  same value gets other bits at another offset. They run here on buffers padded to a
+  whole number of ``UNARY_PIECE`` elements, one piece per call: every element takes the
+  SIMD path.
+- ``logsumexp`` / ``log_softmax`` / ``softmax``: over the vocabulary one row alone is split
+  across threads, many rows are not. All of them run as fixed ``VOCAB_PIECE``-wide partial
+  reductions (one piece for shorter rows), combined in a fixed order, so the engine's
+  sampler and the trainer's scorer compute the same ``z - logsumexp(z)``.
+
+Everything else (embedding lookups, elementwise add/mul/div, short-row means, bmm over
+fixed shapes) is already shape-independent here; ``check_batch_invariance`` probes the
+ops that matter on this machine and says so in one line if the BLAS disagrees.
+Backward passes are untouched (autograd dispatches below the mode): only forward values
+must match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ROW_TILE = 16
+UNARY_PIECE = 16384  # elements per call: a multiple of every SIMD width, below torch's grain (32768)
+VOCAB_PIECE = 2048   # columns per partial reduction of a long row
+
+_UNARY = {
+    F.silu: F.silu, torch.sigmoid: torch.sigmoid, torch.Tensor.sigmoid: torch.sigmoid,
+    torch.exp: torch.exp, torch.Tensor.exp: torch.exp, torch.cos: torch.cos, torch.Tensor.cos: torch.cos,
+    torch.sin: torch.sin, torch.Tensor.sin: torch.sin, torch.tanh: torch.tanh, torch.Tensor.tanh: torch.tanh,
+    torch.rsqrt: torch.rsqrt, torch.Tensor.rsqrt: torch.rsqrt, torch.log: torch.log, torch.Tensor.log: torch.log,
+    F.gelu: F.gelu, torch.erf: torch.erf, torch.Tensor.erf: torch.erf,
+}
+_SOFTMAX = {torch.log_softmax: True, F.log_softmax: True, torch.Tensor.log_softmax: True,
+            torch.softmax: False, F.softmax: False, torch.Tensor.softmax: False}  # -> is log
+
+_state = threading.local()
+
+
+def active() -> bool:
+    """Whether this thread runs under :func:`batch_invariant`."""
+    return getattr(_state, "depth", 0) > 0
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with the rows (all leading dims flattened) zero-padded to a multiple of
+    ``ROW_TILE``; differentiable."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    flat = x.reshape(rows, k)
+    pad = -rows % ROW_TILE
+    if pad or rows == 0:
+        pad = pad or ROW_TILE
+        flat = torch.cat([flat, flat.new_zeros(pad, k)])
+    out = F.linear(flat, weight, bias)
+    return out[:rows].reshape(*lead, out.shape[-1])
+
+
+def pieced_unary(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``fn(x)`` elementwise with every element on the SIMD path (see the module doc)."""
+    n = x.numel()
+    if n == 0 or not x.is_floating_point():
+        return fn(x, *args, **kwargs)
+    flat = x.reshape(-1)
+    pad = -n % UNARY_PIECE if n > UNARY_PIECE else -n % 64
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    pieces = [fn(p, *args, **kwargs) for p in flat.split(UNARY_PIECE)]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out[:n].view(x.shape)
+
+
+def exact_logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """``logsumexp`` over ``dim`` computed as ``VOCAB_PIECE``-wide partial sums in a fixed
+    order: a row's value does not depend on the other rows."""
+    dim = dim % x.dim()
+    if dim != x.dim() - 1:
+        moved = exact_logsumexp(x.movedim(dim, -1), -1, keepdim)
+        return moved.movedim(-1, dim) if keepdim else moved
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf below
+    z = x - m
+    n = z.shape[-1]
+    piece = VOCAB_PIECE if n > VOCAB_PIECE else n + (-n % 64)  # a function of the row length only
+    pad = -n % piece
+    if pad:
+        z = torch.cat([z, z.new_full((*z.shape[:-1], pad), float("-inf"))], dim=-1)
+    parts = pieced_unary(torch.exp, z).unflatten(-1, (-1, piece)).sum(-1)  # (..., pieces)
+    out = parts.sum(-1, keepdim=True).log() + m
+    return out if keepdim else out.squeeze(-1)
+
+
+def exact_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return x - exact_logsumexp(x, dim, keepdim=True)
+
+
+def exact_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return pieced_unary(torch.exp, exact_log_softmax(x, dim))
+
+
+class BatchInvariantMode(TorchFunctionMode):
+    """Routes the ops named in the module doc to their batch-invariant forms."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return padded_linear(*args, **kwargs)
+        unary = _UNARY.get(func)
+        if unary is not None:
+            x, *rest = args
+            return pieced_unary(unary, x, *rest, **kwargs)
+        if func in (torch.logsumexp, torch.Tensor.logsumexp):
+            x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else -1)
+            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            if not isinstance(dim, (tuple, list)) or len(dim) == 1:
+                return exact_logsumexp(x, dim[0] if isinstance(dim, (tuple, list)) else dim, keepdim)
+        if func in _SOFTMAX:
+            x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+            dtype = kwargs.get("dtype")
+            at = 3 if func in (F.softmax, F.log_softmax) else 2  # F.*(input, dim, _stacklevel, dtype)
+            dtype = args[at] if dtype is None and len(args) > at else dtype
+            if dim is not None and x.is_floating_point():
+                x = x.to(dtype) if dtype is not None else x
+                return exact_log_softmax(x, dim) if _SOFTMAX[func] else exact_softmax(x, dim)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def batch_invariant() -> Iterator[None]:
+    """Run the block with batch-invariant numerics (nests; thread-local)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        with BatchInvariantMode():
+            yield
+    finally:
+        _state.depth -= 1
+
+
+class BatchInvarianceError(RuntimeError):
+    """This machine's kernels give a row other bits in another batch even in the padded form."""
+
+
+def check_batch_invariance(dtype: torch.dtype, hidden: int = 256, seed: int = 0) -> None:
+    """Probe the row-padded GEMM and the batched attention GEMM on this machine's kernels in
+    ``dtype``: rows computed alone, inside a few rows and inside many must carry the same
+    bits. Raises :class:`BatchInvarianceError` (one line) when they do not."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(3 * hidden, hidden, generator=g).to(dtype)
+    x = torch.randn(300, hidden, generator=g).to(dtype)
+    many = padded_linear(x, w)
+    for rows in (1, 3, 9, 17):
+        if not torch.equal(padded_linear(x[:rows], w), many[:rows]):
+            raise BatchInvarianceError(
+                f"rollout.exact: this machine's {dtype} GEMM gives {rows} rows other bits than the same rows among "
+                f"300, even padded to {ROW_TILE}; exact mode cannot hold here (set rollout.exact=false)")
+    q = torch.randn(4, 8 * ROW_TILE, 32, generator=g).to(dtype)
+    k = torch.randn(4, 32, 64, generator=g).to(dtype)
+    if not torch.equal(torch.matmul(q[:1, :ROW_TILE], k[:1]), torch.matmul(q, k)[:1, :ROW_TILE]):
+        raise BatchInvarianceError(f"rollout.exact: this machine's batched {dtype} GEMM depends on the batch; "
+                                   "exact mode cannot hold here (set rollout.exact=false)")
