@@ -244,6 +244,42 @@ def bench_rl_job(dtype: torch.dtype, repeats: int, *, warm_calls: int = 0, with_
     return out
 
 
+EXACT_BASELINE = "our built-in engine, default path (continuous batching, fused qkv/gate-up, SDPA)"
+
+
+def bench_exact(dtype: torch.dtype, quick: bool) -> list[dict]:
+    """Issue #28: what ``rollout.exact`` costs in rollout speed — the exact engine (the
+    trainer's modules under batch-invariant numerics, static batches) vs the default
+    built-in engine, same prompts, seeds and lengths, interleaved. Below 1 is the price;
+    the old-log-prob pass it saves is not counted here."""
+    from hybridrl.exact.engine import ExactEngine
+
+    hf, prompts, params = rl_job(dtype)
+    cases = [(RL_CASE, hf, prompts, params, len(prompts) * params.n, "rollouts/s")]
+    small = dense_model("small", dtype)
+    new = 16 if quick else 64
+    g = torch.Generator().manual_seed(3)
+    sp = [torch.randint(0, small.config.vocab_size, (int(torch.randint(8, 40, (1,), generator=g)),),
+                        generator=g).tolist() for _ in range(16)]
+    cases.append((f"small 16 prompts T={new}", small, sp, SamplingParams(temperature=1.0, max_tokens=new, seed=0),
+                  16 * new, "tokens/s"))
+    rows = []
+    for case, model, ps, sparams, count, metric in cases:
+        max_batch, max_seq = len(ps) * sparams.n, max(map(len, ps)) + sparams.max_tokens
+        default = RolloutEngine(model.config, EngineSpec(max_batch_size=max_batch, max_seq_len=max_seq, dtype=dtype))
+        default.load_weights(model.named_parameters())
+        exact = ExactEngine(model, max_batch_size=max_batch, max_seq_len=max_seq)
+        exact.advance_version()
+        with torch.inference_mode():
+            ours, base = interleaved_times([lambda: exact.generate(ps, sparams), lambda: default.generate(ps, sparams)],
+                                           2 if quick else 5)
+        if metric == "tokens/s":  # the tokens each engine actually produced (stop tokens end rows early)
+            count = sum(map(len, exact.generate(ps, sparams).response_token_ids))
+        rows.append(row(case=f"rollout.exact: {case}", metric=metric, ours=count / min(ours),
+                        baseline=count / min(base), baseline_name=EXACT_BASELINE, higher_is_better=True))
+    return rows
+
+
 def bench_continuous(dtype: torch.dtype, quick: bool, with_vllm: bool) -> list[dict]:
     """Issue #23: the long tail (vs run-to-completion and vLLM), continuing a conversation (vs
     re-prefill), the RL job and batch 1 (no regression vs run-to-completion), and what
@@ -310,6 +346,7 @@ def main() -> None:
         rl_repeats, rl_warm = 10, 16
     rows = bench_rl_job(dtype, rl_repeats, warm_calls=rl_warm, with_vllm=not no_vllm)
     rows += bench_continuous(dtype, args.quick, with_vllm=not no_vllm)
+    rows += bench_exact(dtype, args.quick)
     print(format_table(rows), flush=True)
     for name, hf in (("tiny", dense_model("tiny", dtype)), ("small", dense_model("small", dtype))):
         rows += bench_model(name, hf, batches, new_tokens, repeats, caches=caches,

@@ -124,6 +124,17 @@ def _export(args) -> int:
     return 0
 
 
+def _doctor(args) -> int:
+    from hybridrl.config.io import load_config
+    from hybridrl.doctor.run import doctor_mismatch
+
+    cfg = load_config(args.config, args.overrides)
+    _, out = doctor_mismatch(cfg, args.out, seed=args.seed, engine_temperature=args.engine_temperature,
+                             warm_start=not args.no_warm_start)
+    print(f"\nwrote {out}/mismatch.json, mismatch.png, mismatch.txt")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hybridrl.config.io import help_text
 
@@ -158,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("out", help="output directory (created; must not exist)")
     ex.add_argument("--merged", action="store_true", help="also write OUT/merged: the adapter merged into the base")
     ex.set_defaults(fn=_export)
+    doc = sub.add_parser("doctor", help="diagnose a job: `doctor mismatch` measures the rollout/trainer log-prob "
+                                        "gap and how much each cause explains")
+    dsub = doc.add_subparsers(dest="what", required=True)
+    mm = dsub.add_parser("mismatch", help="the rollout/trainer gap of one batch, by cause; table, JSON and plot",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="e.g. hybridrl doctor mismatch rollout.quantization=fp8 --out fp8-doctor")
+    mm.add_argument("--out", help="output folder (new; default: trainer.output_dir/RUN_NAME-doctor)")
+    mm.add_argument("--seed", type=int, default=0, help="which batch of prompts to draw")
+    mm.add_argument("--engine-temperature", type=float, default=None,
+                    help="sample at this temperature instead of rollout.temperature (inject a mismatch)")
+    mm.add_argument("--no-warm-start", action="store_true", help="diagnose the model as built, before its warm start")
+    _config_arguments(mm, "rollout.quantization=fp8")
+    mm.set_defaults(fn=_doctor)
     g = sub.add_parser("generate", help="sample from a local HF checkpoint with the built-in engine")
     g.add_argument("--model", required=True, help="local HF checkpoint directory")
     g.add_argument("--max-tokens", type=int, default=16)

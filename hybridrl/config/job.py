@@ -45,6 +45,9 @@ class WarmStartConfig:
 class TrainerConfig:
     total_steps: int = _f(300, "RL steps (one rollout batch each)")
     eval_every: int = _f(25, "evaluate held-out accuracy every k RL steps")
+    mismatch_report_every: int = _f(0, "log the rollout/trainer log-prob gap (mismatch/kl, max_abs, "
+                                       "frac_over_1e-3) every k RL steps, recomputing the trainer's log-probs when "
+                                       "the step has none; 0 = off (full causes: hybridrl doctor mismatch)")
     seed: int = _f(0, "seed for model init, sampling and shuffling")
     device: str = _f("cpu", "cpu | cuda | cuda:N")
     threads: int = _f(0, "torch CPU threads; 0 = all cores")
@@ -58,6 +61,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_number(self.eval_every, "trainer.eval_every", low=1)
+        check_number(self.mismatch_report_every, "trainer.mismatch_report_every", low=0)
         for key in ("total_steps", "threads"):
             check_number(getattr(self, key), f"trainer.{key}", low=0)
         if self.device != "cpu" and not self.device.startswith("cuda"):

@@ -193,6 +193,7 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
                   train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0),
                   dp=dp)
     step.exact_recompute = cfg.rollout.exact_recompute
+    step.mismatch_report_every = cfg.trainer.mismatch_report_every
     if cfg.env.name is not None:
         step.episodes = build_episode_sampler(cfg, engine, tokenizer, step.scorer, rollout.sampling)
     return step

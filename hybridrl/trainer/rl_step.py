@@ -73,6 +73,8 @@ class RLStep:
         # numerics (hybridrl/exact), so its log-probs *are* the old log-probs: no recompute pass
         self.exact = bool(getattr(rollout.engine, "shares_trainer_weights", False))
         self.exact_recompute = False  # rollout.exact_recompute: recompute anyway, require equal bits
+        self.mismatch_report_every = 0  # trainer.mismatch_report_every: log the gap every k steps
+        self._steps_done = 0
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -325,6 +327,10 @@ class RLStep:
             sb.tensors["old_log_prob"], _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask,
                                                                         ro.response_mask,
                                                                         routed_experts=ro.routed_experts)
+        self._steps_done += 1
+        k = self.mismatch_report_every
+        if k and self._steps_done % k == 0:
+            metrics.update(self._mismatch_metrics(sb))
         if self.reference is not None:
             ref = self.reference.log_probs(ro.input_ids, ro.attention_mask, ro.response_mask,
                                            routed_experts=ro.routed_experts)
@@ -333,6 +339,19 @@ class RLStep:
             kl = algos.kl_penalty(ro.logprobs, ref, self.algo.kl.estimator)
             metrics["actor/kl"] = float(algos.masked_mean(kl, ro.response_mask))
         return metrics
+
+    def _mismatch_metrics(self, sb: StepBatch) -> dict[str, float]:
+        """trainer.mismatch_report_every: the gap between the rollout's log-probs and the
+        trainer's (those of this step, or one extra no-grad pass), as hybridrl doctor reports it."""
+        from hybridrl.doctor.gap import token_gap
+
+        ro = sb.rollouts
+        old = sb.tensors.get("old_log_prob")
+        if old is None:
+            old, _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask, ro.response_mask,
+                                                 routed_experts=ro.routed_experts)
+        g = token_gap(old, ro.logprobs, ro.response_mask)
+        return {"mismatch/kl": g["kl"], "mismatch/max_abs": g["max_abs"], "mismatch/frac_over_1e-3": g["frac_over_1e-3"]}
 
     def _check_exact(self, sb: StepBatch) -> dict[str, float]:
         """rollout.exact_recompute: the old-log-prob pass, required equal to the rollout's bits;
