@@ -45,7 +45,8 @@ class ExactEngine:
         if model_type in NOT_EXACT:
             raise ValueError(f"rollout.exact: {model_type} is not supported ({NOT_EXACT[model_type]}); "
                              "set rollout.exact=false")
-        check_batch_invariance(next(model.parameters()).dtype)
+        first = next(model.parameters())
+        check_batch_invariance(first.dtype, device=first.device)
         self.model = model
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.pad_token_id = pad_token_id

@@ -157,21 +157,21 @@ class BatchInvarianceError(RuntimeError):
     """This machine's kernels give a row other bits in another batch even in the padded form."""
 
 
-def check_batch_invariance(dtype: torch.dtype, hidden: int = 256, seed: int = 0) -> None:
+def check_batch_invariance(dtype: torch.dtype, hidden: int = 256, seed: int = 0, device="cpu") -> None:
     """Probe the row-padded GEMM and the batched attention GEMM on this machine's kernels in
     ``dtype``: rows computed alone, inside a few rows and inside many must carry the same
     bits. Raises :class:`BatchInvarianceError` (one line) when they do not."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(3 * hidden, hidden, generator=g).to(dtype)
-    x = torch.randn(300, hidden, generator=g).to(dtype)
+    w = torch.randn(3 * hidden, hidden, generator=g).to(device, dtype)
+    x = torch.randn(300, hidden, generator=g).to(device, dtype)
     many = padded_linear(x, w)
     for rows in (1, 3, 9, 17):
         if not torch.equal(padded_linear(x[:rows], w), many[:rows]):
             raise BatchInvarianceError(
-                f"rollout.exact: this machine's {dtype} GEMM gives {rows} rows other bits than the same rows among "
+                f"rollout.exact: this machine's {device} {dtype} GEMM gives {rows} rows other bits than the same rows among "
                 f"300, even padded to {ROW_TILE}; exact mode cannot hold here (set rollout.exact=false)")
-    q = torch.randn(4, 8 * ROW_TILE, 32, generator=g).to(dtype)
-    k = torch.randn(4, 32, 64, generator=g).to(dtype)
+    q = torch.randn(4, 8 * ROW_TILE, 32, generator=g).to(device, dtype)
+    k = torch.randn(4, 32, 64, generator=g).to(device, dtype)
     if not torch.equal(torch.matmul(q[:1, :ROW_TILE], k[:1]), torch.matmul(q, k)[:1, :ROW_TILE]):
         raise BatchInvarianceError(f"rollout.exact: this machine's batched {dtype} GEMM depends on the batch; "
                                    "exact mode cannot hold here (set rollout.exact=false)")
