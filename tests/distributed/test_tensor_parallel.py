@@ -70,7 +70,7 @@ def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
     verified), against one process with a whole engine: the same rollouts, the same losses.
     ``_lora``: FSDP2-sharded LoRA adapters (the reference = the base), adapter-only refits
     into the TP shards, and the adapters compared at the end."""
-    from test_data_parallel import LOSSES, _rows, _weights, train_subprocess
+    from test_data_parallel import LOSSES, _rows, _weights, train_in_process, train_subprocess
 
     # one-digit sums and a longer warm start: some rewards are non-zero; the entropy bonus and
     # the KL term make every step move the weights whatever the rewards
@@ -80,8 +80,7 @@ def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
         arch = arch.removesuffix("_lora")
         extra += ["model.lora.rank=4", "optim.lr=3e-3"]
     extra += [f"model.arch={arch}", "rollout.routing_replay=true"] if arch != "qwen2" else []
-    one = train_subprocess(tmp_path, "one", extra)
-    assert one.returncode == 0, one.stderr[-3000:]
+    assert train_in_process(tmp_path, "one", extra) == 0
     two = train_subprocess(tmp_path, "two", extra + ["launcher.nproc_per_node=2", "rollout.tensor_parallel_size=2"])
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
