@@ -46,13 +46,30 @@ def _no_mask(*args, **kwargs) -> None:
     return None
 
 
-def register() -> None:
-    """Register :data:`VARLEN_ATTN` with transformers (idempotent)."""
+def register_maskless(name: str, attention_forward) -> None:
+    """Register an attention function with transformers under ``name``, with a mask
+    function that builds no mask (the function reads its own kwargs); idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(VARLEN_ATTN, _attention_forward)
-    AttentionMaskInterface.register(VARLEN_ATTN, _no_mask)
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, _no_mask)
+
+
+def register() -> None:
+    """Register :data:`VARLEN_ATTN` with transformers (idempotent)."""
+    register_maskless(VARLEN_ATTN, _attention_forward)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """``model`` runs attention implementation ``name`` inside the block, its own after."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 @contextlib.contextmanager
@@ -69,9 +86,5 @@ def varlen_attention_for(model: torch.nn.Module) -> Iterator[None]:
             yield
         return
     register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(VARLEN_ATTN)
-    try:
+    with attention_implementation(model, VARLEN_ATTN):
         yield
-    finally:
-        model.set_attn_implementation(previous)

@@ -107,17 +107,11 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    return None
-
-
 def register() -> None:
     """Register :data:`EXACT_ATTN` with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from hybridrl.attention.hf_varlen import register_maskless
 
-    AttentionInterface.register(EXACT_ATTN, _attention_forward)
-    AttentionMaskInterface.register(EXACT_ATTN, _no_mask)
+    register_maskless(EXACT_ATTN, _attention_forward)
 
 
 @contextlib.contextmanager
@@ -125,15 +119,16 @@ def exact_attention_for(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model`` with :data:`EXACT_ATTN` inside the block, and MoE experts as their
     per-expert ``F.linear`` loop ("eager": ``grouped_mm`` is not row-padded, so a token's
     expert output would depend on how many tokens share the expert); restoring both after."""
+    from hybridrl.attention.hf_varlen import attention_implementation
+
     register()
-    previous = model.config._attn_implementation
     experts = getattr(model.config, "_experts_implementation", None)
-    model.set_attn_implementation(EXACT_ATTN)
-    if experts not in (None, "eager"):
-        model.set_experts_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-        if experts not in (None, "eager"):
-            model.set_experts_implementation(experts)
+    switch = experts not in (None, "eager")
+    with attention_implementation(model, EXACT_ATTN):
+        if switch:
+            model.set_experts_implementation("eager")
+        try:
+            yield
+        finally:
+            if switch:
+                model.set_experts_implementation(experts)
