@@ -82,17 +82,27 @@ def _teacher_forced(engine, ro, temperature: float, rows=None) -> torch.Tensor:
     chunk = list(range(ids.shape[0]) if rows is None else rows)
     out = torch.zeros(ids.shape, dtype=torch.float32)
     t = temperature if temperature > 0 else 1.0
-    if True:  # one scoring pass, in chunks of the engine's batch
-        for s in range(0, len(chunk), engine.max_batch_size):
-            sel = torch.tensor(chunk[s:s + engine.max_batch_size])
-            L = int(mask[sel].sum(-1).max())
-            with torch.inference_mode():
-                z = engine.logits(ids[sel, :L], mask[sel, :L]).float().cpu()
-            logp = torch.log_softmax(z / t if t != 1.0 else z, dim=-1)
-            lp = torch.zeros(len(sel), L)
-            lp[:, 1:] = logp[:, :-1].gather(-1, ids[sel, 1:L, None].cpu()).squeeze(-1)
-            out[sel, :L] = lp * resp[sel, :L].cpu()
+    step = _rows_per_call(engine, ids.shape[1])
+    for s in range(0, len(chunk), step):
+        sel = torch.tensor(chunk[s:s + step])
+        L = int(mask[sel].sum(-1).max())
+        with torch.inference_mode():
+            z = engine.logits(ids[sel, :L], mask[sel, :L]).float().cpu()
+        logp = torch.log_softmax(z / t if t != 1.0 else z, dim=-1)
+        lp = torch.zeros(len(sel), L)
+        lp[:, 1:] = logp[:, :-1].gather(-1, ids[sel, 1:L, None].cpu()).squeeze(-1)
+        out[sel, :L] = lp * resp[sel, :L].cpu()
     return out
+
+
+LOGITS_BUDGET_BYTES = 512 << 20
+
+
+def _rows_per_call(engine, length: int) -> int:
+    """Rows per ``engine.logits`` call: the engine's batch, and ``[rows, L, V]`` float32
+    logits within ``LOGITS_BUDGET_BYTES`` (a 151936-token vocabulary: a few rows)."""
+    vocab = engine.config.vocab_size if hasattr(engine, "config") else 1
+    return max(1, min(engine.max_batch_size, LOGITS_BUDGET_BYTES // max(1, length * vocab * 4)))
 
 
 def _alone(engine, ro, temperature: float) -> torch.Tensor:
@@ -108,13 +118,16 @@ def _truncation_kl(engine, ro, temperature: float, top_k: int, top_p: float) -> 
 
     ids, mask, resp = ro.input_ids, ro.attention_mask, ro.response_mask
     L = int(mask.sum(-1).max())
-    with torch.inference_mode():
-        z = engine.logits(ids[:, :L], mask[:, :L]).float().cpu()
-    probs = torch.softmax(z / temperature if temperature not in (0, 1) else z, dim=-1)[:, :-1]
-    sorted_probs, _ = probs.sort(dim=-1, descending=True)
-    V = probs.shape[-1]
-    k = torch.full(probs.shape[:-1] + (1,), top_k if top_k > 0 else V)
-    kept = _truncate(sorted_probs, k, torch.full_like(k, top_p, dtype=torch.float32)).sum(-1)
+    step, kept_all = _rows_per_call(engine, L), []
+    for s in range(0, ids.shape[0], step):
+        with torch.inference_mode():
+            z = engine.logits(ids[s:s + step, :L], mask[s:s + step, :L]).float().cpu()
+        probs = torch.softmax(z / temperature if temperature not in (0, 1) else z, dim=-1)[:, :-1]
+        sorted_probs, _ = probs.sort(dim=-1, descending=True)
+        V = probs.shape[-1]
+        k = torch.full(probs.shape[:-1] + (1,), top_k if top_k > 0 else V)
+        kept_all.append(_truncate(sorted_probs, k, torch.full_like(k, top_p, dtype=torch.float32)).sum(-1))
+    kept = torch.cat(kept_all)
     m = resp[:, 1:L].bool().cpu()
     return float(-(kept[m].clamp(min=1e-30).log()).mean()) if m.any() else 0.0
 

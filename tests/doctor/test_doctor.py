@@ -34,9 +34,10 @@ def test_fp8_gap_is_explained_by_its_causes_within_10_percent(tmp_path):
 
 
 def test_a_planted_temperature_mismatch_is_the_top_cause(tmp_path):
-    cfg = load_config(None, [*JOB, f"trainer.output_dir={tmp_path}"])
+    cfg = load_config(None, [*JOB, "rollout.top_p=0.9", f"trainer.output_dir={tmp_path}"])
     d, _ = doctor_mismatch(cfg, str(tmp_path / "doc"), engine_temperature=0.8, console=lambda line: None)
     causes = _causes(d)
+    assert causes["sampling truncation"].effect_kl > 0 and not causes["sampling truncation"].additive
     top = max((c for c in d.causes if c.additive and c.effect_kl is not None), key=lambda c: c.effect_kl)
     assert top.name == "temperature", [(c.name, c.effect_kl) for c in d.causes]
     assert causes["temperature"].effect_kl > 0.9 * d.total["kl"]
