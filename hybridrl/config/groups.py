@@ -383,9 +383,21 @@ class Config:
         if not self.model.lora.enabled:
             return
         r = self.rollout
+        if r.backend == "vllm" and r.lora_mode != "merged":
+            raise ConfigError("model.lora with rollout.backend=vllm: rollout.lora_mode=adapter is not supported yet "
+                              "(vLLM's LoRARequest path is not wired up); use rollout.lora_mode=merged (a partial "
+                              "reload of the merged targeted weights) or rollout.backend=builtin")
         if r.backend == "vllm":
-            raise ConfigError("model.lora with rollout.backend=vllm is not supported yet (neither vLLM's LoRARequest "
-                              "path nor a partial reload is wired up); use rollout.backend=builtin")
+            targets = set(self.model.lora.target_modules)
+            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+                if targets & set(group) and not set(group) <= targets:
+                    raise ConfigError(f"model.lora.target_modules={sorted(targets)} with rollout.backend=vllm splits "
+                                      f"vLLM's fused {'/'.join(group)} layer (it reloads a fused layer from all its "
+                                      f"shards); target all of {', '.join(group)} or none")
+        if r.backend == "vllm" and self.launcher.ranks > 1:
+            raise ConfigError(f"model.lora with rollout.backend=vllm on {self.launcher.ranks} ranks: not supported yet "
+                              "(the merged refit into vLLM's tensor-parallel shards is not wired up); use one rank "
+                              "or rollout.backend=builtin")
         if r.quantization and r.lora_mode == "adapter" and "fp8" in r.quantization:
             raise ConfigError(f"rollout.quantization={r.quantization} with rollout.lora_mode=adapter: the FP8 "
                               "rollout weights would be the base's while the adapters stay full precision; use "

@@ -160,6 +160,7 @@ class VllmEngine(WeightUpdateBracket):
         self.sleep_state = EngineSleep(self.llm, free_cache_engine)
         self._weight_version = 0
         self._staged: dict[str, torch.Tensor] | None = None  # open update: name -> tensor to load
+        self._required: frozenset[str] | None = None  # a partial update's names (None: every weight)
         self._broken: str | None = None  # why the weights vLLM holds cannot be trusted
         self.last_reload_seconds = 0.0
         self._requests = 0  # requests sent so far: each one's tag for the log-prob processor
@@ -187,11 +188,16 @@ class VllmEngine(WeightUpdateBracket):
     def weight_update_in_progress(self) -> bool:
         return self._staged is not None
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, required: Iterable[str] | None = None) -> None:
         """Open an update (nothing reaches vLLM before ``finish_weight_update``); requests in
-        flight hold until it closes (``step`` refuses meanwhile)."""
+        flight hold until it closes (``step`` refuses meanwhile). ``required``: a partial
+        update writing exactly these names (LoRA merged refits: the targeted weights; vLLM's
+        loaders write what they are given and leave the rest)."""
         if self._staged is not None:
             raise WeightUpdateError("a weight update of this engine is already in progress; finish or abort it first")
+        if self._weight_version == 0 and required is not None:
+            raise WeightUpdateError("a partial weight update needs weights to update: load every weight first")
+        self._required = None if required is None else frozenset(required)
         self._staged = {}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -223,7 +229,16 @@ class VllmEngine(WeightUpdateBracket):
 
     def _reload(self, staged: dict[str, torch.Tensor], check: Callable[[], None] | None) -> None:
         """Completeness, vLLM's reload, its check and ``check()``; raises if any fails."""
-        missing = self.weight_routes.expected - staged.keys()
+        required = self.weight_routes.expected if self._required is None else self._required
+        if self._required is not None:
+            from hybridrl.vllm_backend.reload_check import partial_group_problems
+
+            split = partial_group_problems(self.weight_routes, staged.keys())
+            if split:
+                raise WeightUpdateError(f"partial weight update splits {len(split)} fused layer(s): {listing(split)}; "
+                                        "vLLM reloads a fused layer from all its shards: send q/k/v together and "
+                                        "gate/up together (LoRA: target whole groups)")
+        missing = required - staged.keys()
         if missing:
             raise WeightUpdateError(f"weight update incomplete: {len(missing)} weights never loaded: "
                                     f"{listing(missing)}; nothing was written to vLLM and weight_version was "

@@ -9,6 +9,10 @@
   as a bf16 one — the output's rounding, far below a wrong, stale or swapped shard (O(1)).
 - **Everything else** (embedding, norms, biases): equal to what was sent, bit for bit.
 
+A partial update (``begin_weight_update(required=...)``) is checked on what it sent: the
+packed layers it wrote (whole: ``partial_group_problems`` refuses a split one before the
+reload) and the other weights it sent.
+
 Reads each weight about twice, on the engine's device.
 """
 
@@ -41,6 +45,8 @@ def reload_mismatches(model: nn.Module, routes: VllmWeightRoutes, staged: dict[s
         embed = routes["model.embed_tokens.weight"]  # the head's GEMM reads the embedding
         packed["lm_head"] = [dataclasses.replace(embed, module_name="lm_head", fp8=None)]
     for module_name, group in packed.items():
+        if not any(r.hf_name in staged for r in group):
+            continue  # a partial update (LoRA merged refits) that left this layer as it was
         module = model.get_submodule(module_name)
         x = torch.randint(-1, 2, (PROBE_ROWS, group[0].held_shape[1]), generator=gen).float()  # (R, K) ternary
         x[:, 0] = 1.0
@@ -58,7 +64,7 @@ def reload_mismatches(model: nn.Module, routes: VllmWeightRoutes, staged: dict[s
                 bad.append(f"{module_name} rows {r.rows.start}:{r.rows.stop} for {r.hf_name} "
                            f"(max error {err:.3g} vs tolerance {tol:.3g})")
     for r in routes:
-        if not r.packed:
+        if not r.packed and r.hf_name in staged:
             held = r.held()
             if not torch.equal(held, r.expected_held(staged[r.hf_name]).to(held.device)):
                 bad.append(r.hf_name)
@@ -69,3 +75,15 @@ def _device(module: nn.Module) -> torch.device:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+def partial_group_problems(routes: VllmWeightRoutes, names) -> list[str]:
+    """Packed layers a partial update would write only some shards of (q without k, gate
+    without up): vLLM's layerwise reload processes a layer from what it was sent, so a split
+    group cannot be reloaded. One entry per split layer, naming what is missing."""
+    names, out = set(names), []
+    for module_name, group in routes.packed_modules().items():
+        sent = [r.hf_name for r in group if r.hf_name in names]
+        if sent and len(sent) != len(group):
+            out.append(f"{module_name} (missing {', '.join(sorted(r.hf_name for r in group if r.hf_name not in names))})")
+    return out

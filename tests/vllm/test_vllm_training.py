@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from _vllm_helpers import SKIP_NO_VLLM, record_llm_calls
 
+from hybridrl.config.base import ConfigError
 from hybridrl.config.io import load_config
 
 pytestmark = SKIP_NO_VLLM
@@ -42,6 +43,25 @@ def test_five_grpo_steps_on_vllm(tmp_path, monkeypatch):
             assert calls[i + 1:i + 5] == ["wake_up(weights)", "reload_weights", "wake_up(kv_cache)",
                                           "reset_prefix_cache"], calls[i:i + 5]
             assert "generate" not in calls[i:i + 5]
+
+
+def test_lora_merged_refits_reach_vllm(tmp_path):
+    """model.lora with rollout.lora_mode=merged on vLLM: after the first (full) load every refit
+    is partial — the merged targeted weights only — reloaded and verified; vLLM's sampling
+    log-probs stay the trainer's (a refit that left old weights in place would not be)."""
+    from hybridrl.job.loop import train
+
+    result = train(load_config(None, _overrides(tmp_path, 3) + [
+        "model.lora.rank=4", "model.lora.init=gaussian", "rollout.lora_mode=merged", "optim.lr=3e-2",
+        "model.lora.target_modules=[q_proj,k_proj,v_proj,down_proj]"]))
+    steps = [r for r in result.history if "reward/mean" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["refit/weight_version"] == r["rollout/weight_version"] + 1
+        assert r["rollout/trainer_logprob_abs_diff"] < 1e-4
+    with pytest.raises(ConfigError, match="splits vLLM's fused q_proj/k_proj/v_proj"):
+        load_config(None, _overrides(tmp_path, 1) + ["model.lora.rank=4", "rollout.lora_mode=merged",
+                                                     "model.lora.target_modules=[q_proj,v_proj]"])
 
 
 def test_grpo_with_fp8_rollout_on_vllm(tmp_path):
