@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hybridrl.attention.hf_attention import attention_implementation, register_maskless
 from hybridrl.attention.varlen import varlen_attention
 
 VARLEN_ATTN = "hybridrl_varlen"
@@ -42,34 +43,9 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     return out.unsqueeze(0), None  # (1, T, H, D)
 
 
-def _no_mask(*args, **kwargs) -> None:
-    return None
-
-
-def register_maskless(name: str, attention_forward) -> None:
-    """Register an attention function with transformers under ``name``, with a mask
-    function that builds no mask (the function reads its own kwargs); idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, _no_mask)
-
-
 def register() -> None:
     """Register :data:`VARLEN_ATTN` with transformers (idempotent)."""
     register_maskless(VARLEN_ATTN, _attention_forward)
-
-
-@contextlib.contextmanager
-def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """``model`` runs attention implementation ``name`` inside the block, its own after."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 @contextlib.contextmanager

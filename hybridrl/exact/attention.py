@@ -109,7 +109,7 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
 
 def register() -> None:
     """Register :data:`EXACT_ATTN` with transformers (idempotent)."""
-    from hybridrl.attention.hf_varlen import register_maskless
+    from hybridrl.attention.hf_attention import register_maskless
 
     register_maskless(EXACT_ATTN, _attention_forward)
 
@@ -119,7 +119,7 @@ def exact_attention_for(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model`` with :data:`EXACT_ATTN` inside the block, and MoE experts as their
     per-expert ``F.linear`` loop ("eager": ``grouped_mm`` is not row-padded, so a token's
     expert output would depend on how many tokens share the expert); restoring both after."""
-    from hybridrl.attention.hf_varlen import attention_implementation
+    from hybridrl.attention.hf_attention import attention_implementation
 
     register()
     experts = getattr(model.config, "_experts_implementation", None)
