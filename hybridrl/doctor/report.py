@@ -24,7 +24,9 @@ def format_table(d: Diagnosis) -> str:
     for c in d.causes:
         share = (f"{c.effect_kl / t['kl']:.0%}" if c.additive and c.effect_kl is not None and t["kl"] else "")
         lines.append(f"{c.name:<22} {c.setting[:40]:<40} {_num(c.effect_kl):>10} {share:>7}  {c.note}")
-    if t["kl"]:
+    if t["kl"] and not any(c.additive and c.effect_kl is not None for c in d.causes):
+        lines.append(f"{'sum of the causes':<22} {'':<40} {'n/a':>10}          (no cause could be switched off here)")
+    elif t["kl"]:
         lines.append(f"{'sum of the causes':<22} {'':<40} {d.explained_kl:>10.3g} {d.explained_kl / t['kl']:>7.0%}  "
                      "(each measured alone; the total is 100%)")
     lines += ["", "by response position:"]
