@@ -383,11 +383,11 @@ class Config:
         if not self.model.lora.enabled:
             return
         r = self.rollout
-        if r.backend == "vllm" and r.lora_mode != "merged":
-            raise ConfigError("model.lora with rollout.backend=vllm: rollout.lora_mode=adapter is not supported yet "
-                              "(vLLM's LoRARequest path is not wired up); use rollout.lora_mode=merged (a partial "
-                              "reload of the merged targeted weights) or rollout.backend=builtin")
-        if r.backend == "vllm":
+        if r.backend == "vllm" and r.lora_mode == "adapter" and r.kv_on_refit != "recompute":
+            raise ConfigError(f"model.lora with rollout.backend=vllm, rollout.lora_mode=adapter and "
+                              f"rollout.kv_on_refit={r.kv_on_refit}: requests kept across a refit would hold the "
+                              "removed adapter; use rollout.kv_on_refit=recompute or rollout.lora_mode=merged")
+        if r.backend == "vllm" and r.lora_mode == "merged":
             targets = set(self.model.lora.target_modules)
             for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
                 if targets & set(group) and not set(group) <= targets:

@@ -196,7 +196,8 @@ class RLStep:
             if self.pipeline is not None:
                 self.pipeline.publish(self.actor.model)
             else:
-                self.rollout.refit(self.actor.model)
+                refit = self.rollout.refit(self.actor.model)
+                metrics["refit/bytes"] = float(refit.bytes_moved)  # LoRA: the adapters (or merged targets) only
         metrics.update(step_metrics(sb, timer))
         metrics["refit/weight_version"] = self.rollout.version if self.pipeline is None else self.pipeline.version
         if self.dp is not None:

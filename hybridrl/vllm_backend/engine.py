@@ -144,6 +144,14 @@ class VllmEngine(WeightUpdateBracket):
             shm_before = set(_cpu_shm_segments())
         if vllm_quant is not None:
             args["quantization"] = vllm_quant
+        if spec.lora is not None:  # adapter mode: vLLM applies the policy's adapter (lora.py)
+            from hybridrl.vllm_backend.lora import lora_llm_kwargs
+
+            if tp_size > 1 or kv_on_refit != "recompute":
+                raise ValueError("VllmEngine: LoRA adapter mode runs on one rank with kv_on_refit=recompute (vLLM "
+                                 "slices adapter slots per rank; requests kept across a refit would hold a removed "
+                                 "adapter id); use rollout.lora_mode=merged")
+            args.update(lora_llm_kwargs(spec.lora))
         if on_cpu and is_mla(hf_config):
             args.update(CPU_LLM_KWARGS)  # CPU_MLA on every host; rotary off for 3-D q/k (mla.py)
         args.update(llm_kwargs)
@@ -156,7 +164,18 @@ class VllmEngine(WeightUpdateBracket):
         self._shm_segments = sorted(set(_cpu_shm_segments()) - shm_before) if tp_size > 1 else []
         self._vllm_sampling_params = vllm.SamplingParams
         self.model = self.llm.apply_model(lambda m: m)[0]  # in-process: the live vLLM module
-        self.weight_routes = VllmWeightRoutes(hf_config, self.model, self.dtype)
+        self.adapter = None  # LoRA adapter mode: the policy's adapter in vLLM (lora.py)
+        try:
+            self.weight_routes = VllmWeightRoutes(hf_config, self.model, self.dtype)
+            if spec.lora is not None:
+                from hybridrl.vllm_backend.lora import VllmAdapterSlot
+
+                self.adapter = VllmAdapterSlot(self.llm, spec.lora, self.dtype)
+                routes = self.weight_routes
+                routes.add(self.adapter.routes(self.model, routes.part_to_fused, routes.hf_shapes))
+        except BaseException:
+            self.close()  # vLLM holds a torch.distributed group: the next engine could not start
+            raise
         self.sleep_state = EngineSleep(self.llm, free_cache_engine)
         self._weight_version = 0
         self._staged: dict[str, torch.Tensor] | None = None  # open update: name -> tensor to load
@@ -170,6 +189,8 @@ class VllmEngine(WeightUpdateBracket):
         """Shut vLLM down and remove the config directory (the engine is unusable after)."""
         shutdown_llm(self.__dict__.pop("llm", None))
         shutil.rmtree(self._config_dir, ignore_errors=True)
+        if getattr(self, "adapter", None) is not None:
+            self.adapter.close()
         for path in self.__dict__.pop("_shm_segments", []):  # tensor parallel: vLLM's CPU segments (__init__)
             with contextlib.suppress(OSError):
                 os.remove(path)
@@ -177,6 +198,8 @@ class VllmEngine(WeightUpdateBracket):
     def __del__(self):
         with contextlib.suppress(Exception):
             shutil.rmtree(self._config_dir, ignore_errors=True)
+            if self.adapter is not None:
+                self.adapter.close()
 
     # ---- weights: the update bracket ------------------------------------------------
     @property
@@ -246,10 +269,15 @@ class VllmEngine(WeightUpdateBracket):
         self.weight_routes.clear_readback()
         try:
             self.sleep_state.wake("weights")  # the reload writes into the weights' storage
+            adapter_names = {n for n in staged if _is_adapter(n)} if self.adapter is not None else set()
+            base = [(n, t) for n, t in staged.items() if n not in adapter_names]
             t0 = time.perf_counter()
             with preserve_torch_state(), torch.no_grad():
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(staged.items())})
-                self._refresh_tied_head()
+                if base:  # an adapter-only refit (LoRA adapter mode) leaves the base as it is
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": base})
+                    self._refresh_tied_head()
+                if adapter_names:  # a new adapter id in vLLM's LoRA slot (lora.py)
+                    self.adapter.load({n: staged[n] for n in adapter_names})
             self.last_reload_seconds = time.perf_counter() - t0
             if self.check_reload:
                 self._check_reload(staged)
@@ -352,7 +380,8 @@ class VllmEngine(WeightUpdateBracket):
         first_tag, self._requests = self._requests, self._requests + len(requests)  # unique across calls
         self.sleep_state.ensure_awake()  # a sleeping engine's scheduler would never run a request
         with preserve_torch_state():
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False,
+                                        lora_request=self.lora_request)
             lse = self.llm.collective_rpc(fvl.take_records)[0]
         return rollouts_from_outputs(prompts, outputs, temperatures, lse, first_tag, self.weight_version,
                                      self.pad_token_id)
@@ -402,8 +431,17 @@ class VllmEngine(WeightUpdateBracket):
         return self.requests.has_unfinished()
 
     @property
+    def lora_request(self):
+        """The ``LoRARequest`` of the policy's current adapter (adapter mode), else None."""
+        return None if self.adapter is None else self.adapter.request
+
+    @property
     def kv_on_refit(self) -> str:
         return self.requests.kv_on_refit
+
+
+def _is_adapter(name: str) -> bool:
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

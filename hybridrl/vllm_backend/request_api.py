@@ -155,7 +155,7 @@ class VllmRequests:
         with preserve_torch_state():
             # rendered as LLM.generate does (vLLM deprecates raw prompts in add_request)
             (prompt,) = self.llm.renderer.render_cmpl([{"prompt_token_ids": r.prompt + r.tokens}])
-            self.llm.llm_engine.add_request(vllm_id(tag), prompt, params)
+            self.llm.llm_engine.add_request(vllm_id(tag), prompt, params, lora_request=self.owner.lora_request)
         r.tag, r.segment_start, r.got_first_output = tag, done, False
         self._mark_version(r)
         self.by_vllm_id[vllm_id(tag)] = r

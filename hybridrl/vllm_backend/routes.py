@@ -98,6 +98,13 @@ class VllmWeightRoutes:
             self._routes[name] = self._resolve(name, torch.Size(shape), part_to_fused)
         self.expected: frozenset[str] = frozenset(self._routes)
         self._readback: dict[str, torch.Tensor] = {}
+        self.hf_shapes, self.part_to_fused = hf_shapes, part_to_fused
+
+    def add(self, routes) -> None:
+        """More routes (LoRA adapter mode: ``X.lora_A.weight`` / ``X.lora_B.weight``, lora.py)."""
+        for route in routes:
+            self._routes[route.hf_name] = route
+        self.expected = frozenset(self._routes)
 
     def _resolve(self, name: str, shape: torch.Size, part_to_fused) -> VllmWeightRoute:
         module_path, leaf = name.rsplit(".", 1)
@@ -115,6 +122,8 @@ class VllmWeightRoutes:
             rows = slice(start, start + sizes[index])
         else:
             module = self._module(module_path, name)
+        if hasattr(module, "lora_a_stacked"):  # enable_lora: vLLM wraps the layer; its weights are the base's
+            module_path, module = f"{module_path}.base_layer", module.base_layer
         tp = None
         if getattr(module, "tp_size", 1) > 1:
             rows, tp = _partition(module, leaf, shape, index)

@@ -45,20 +45,28 @@ def test_five_grpo_steps_on_vllm(tmp_path, monkeypatch):
             assert "generate" not in calls[i:i + 5]
 
 
-def test_lora_merged_refits_reach_vllm(tmp_path):
-    """model.lora with rollout.lora_mode=merged on vLLM: after the first (full) load every refit
-    is partial — the merged targeted weights only — reloaded and verified; vLLM's sampling
-    log-probs stay the trainer's (a refit that left old weights in place would not be)."""
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_lora_refits_reach_vllm(tmp_path, mode):
+    """model.lora on vLLM: after the first (full) load every refit is partial — the merged
+    targeted weights (merged: reloaded) or A/B only (adapter: a new LoRARequest id) — and
+    verified; vLLM's sampling log-probs stay the trainer's (a refit that left old weights or
+    the old adapter in place would not)."""
     from hybridrl.job.loop import train
 
     result = train(load_config(None, _overrides(tmp_path, 3) + [
-        "model.lora.rank=4", "model.lora.init=gaussian", "rollout.lora_mode=merged", "optim.lr=3e-2",
+        "model.lora.rank=4", "model.lora.init=gaussian", f"rollout.lora_mode={mode}", "optim.lr=3e-2",
         "model.lora.target_modules=[q_proj,k_proj,v_proj,down_proj]"]))
     steps = [r for r in result.history if "reward/mean" in r]
     assert len(steps) == 3
     for r in steps:
         assert r["refit/weight_version"] == r["rollout/weight_version"] + 1
         assert r["rollout/trainer_logprob_abs_diff"] < 1e-4
+    # layers x rank x (in + out of q, k, v, down) x fp32: A [r, in] and B [out, r] only
+    adapter_bytes = 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (128 + 64)) * 4
+    if mode == "adapter":  # every step's refit sends A/B only
+        assert [r["refit/bytes"] for r in steps] == [adapter_bytes] * 3
+    if mode == "merged":
+        return
     with pytest.raises(ConfigError, match="splits vLLM's fused q_proj/k_proj/v_proj"):
         load_config(None, _overrides(tmp_path, 1) + ["model.lora.rank=4", "rollout.lora_mode=merged",
                                                      "model.lora.target_modules=[q_proj,v_proj]"])

@@ -1,0 +1,179 @@
+"""LoRA adapter mode on the vLLM backend (``rollout.lora_mode=adapter``): vLLM holds the base
+weights once and applies the adapter itself (``enable_lora``); a refit sends A/B only.
+
+    slot = VllmAdapterSlot(llm, spec, dtype, directory)     # spec: rollout.layers.lora_adapter.AdapterSpec
+    routes.add(slot.routes(vllm_model, part_to_fused))      # X.lora_A.weight / X.lora_B.weight
+    slot.load({"model.layers.0.self_attn.q_proj.lora_A.weight": A, ...})   # every adapter tensor
+    llm.generate(..., lora_request=slot.request)
+
+**One adapter, a new id per refit.** vLLM serves adapters through its public LoRA path: a peft
+folder on disk and a ``LoRARequest(name, id, path)``. Each load writes the tensors as a peft
+folder (``adapter_config.json`` + ``adapter_model.safetensors``, in ``/dev/shm`` when it
+exists: no disk I/O) and registers it under a *new* id (``llm_engine.add_lora``), then removes
+the previous id. A new id, not an in-place reload of the old one, because vLLM keys its prefix
+cache (and its scheduler's batching) by adapter id: a request of the new version can never
+reuse KV computed under the old adapter, and a refit that failed to register leaves no request
+pointing at a half-written adapter. The engine starts vLLM with one GPU slot
+(``max_loras=1``) and room for two registered adapters (the new one is loaded before the old is
+dropped).
+
+**What vLLM holds** (``held()``, checked after every load): each vLLM LoRA layer keeps per
+slot ``lora_a_stacked[s] [max_loras, 1, max_rank, in]`` and ``lora_b_stacked[s]
+[max_loras, 1, out_s, max_rank]`` for each fused shard s (q/k/v of ``qkv_proj``), with the
+peft scale folded into B when loaded (vLLM's ``LoRALayerWeights.optimize``: ``B *= alpha / r``
+in the adapter dtype). So a route reads ``A = lora_a_stacked[s][slot, 0, :r]`` and
+``B = lora_b_stacked[s][slot, 0, :, :r]``, and expects ``A.to(dtype)`` and
+``B.to(dtype) * scale`` (the same in-dtype multiply): exact, so a refit that left the old
+adapter in the slot fails the check (tested).
+
+Not wired up: tensor parallelism (vLLM slices the slots per rank), ``kv_on_refit=keep``
+(requests in flight would keep a removed adapter id); both refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+ADAPTER_NAME = "hybridrl-policy"
+
+
+def lora_llm_kwargs(spec) -> dict[str, Any]:
+    """``vllm.LLM`` arguments that make room for one adapter of ``spec.rank``."""
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= spec.rank), None)
+    if max_rank is None:
+        raise ValueError(f"model.lora.rank={spec.rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}; "
+                         "lower the rank or use rollout.lora_mode=merged")
+    return dict(enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=max_rank)
+
+
+@dataclass(frozen=True)
+class VllmAdapterRoute:
+    """Where vLLM holds one adapter tensor ``X.lora_A.weight`` / ``X.lora_B.weight``."""
+
+    hf_name: str
+    shape: torch.Size
+    """HF (peft) shape: ``[r, in]`` for A, ``[out, r]`` for B."""
+    dtype: torch.dtype
+    module_name: str
+    """the vLLM LoRA layer (``...qkv_proj``: the wrapper around the base layer)."""
+    part: str
+    """"lora_A" or "lora_B"."""
+    index: int
+    """the fused shard of that layer (q/k/v: 0/1/2)."""
+    scale: float
+    """what vLLM folds into B at load (``alpha / r`` as it computes it)."""
+    slot: Any
+    packed: bool = False  # reload_check compares it as a plain tensor, exactly
+    tp: Any = None
+
+    @property
+    def held_shape(self) -> torch.Size:
+        return self.shape
+
+    def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
+        t = tensor.detach().to(self.dtype)
+        return t.clone().mul_(self.scale) if self.part == "lora_B" else t
+
+    def held(self) -> torch.Tensor:
+        return self.slot.held(self)
+
+
+class VllmAdapterSlot:
+    """The policy's adapter inside one vLLM ``LLM``: its routes, its loads and its request."""
+
+    def __init__(self, llm, spec, dtype: torch.dtype):
+        self.llm, self.spec, self.dtype = llm, spec, dtype
+        self.alpha = spec.scale * spec.rank
+        self.vllm_scale = self.alpha / spec.rank  # vLLM's PEFTHelper: lora_alpha / r
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.directory = Path(tempfile.mkdtemp(prefix="hybridrl-vllm-lora-", dir=base))
+        self.request = None  # the LoRARequest every generation carries (None before the first load)
+        self._next_id = 1
+        self._model = None
+        self._slot: int | None = None  # read from vLLM once per load
+
+    def routes(self, vllm_model: torch.nn.Module, part_to_fused: dict[str, tuple[str, int]],
+               hf_shapes: dict[str, tuple[int, ...]]) -> list[VllmAdapterRoute]:
+        """Two routes per targeted HF module ``X`` (``spec.modules``): its vLLM LoRA layer and
+        fused shard. A module vLLM does not wrap with LoRA raises a one-line ValueError."""
+        self._model = vllm_model
+        r, out = self.spec.rank, []
+        for X in self.spec.modules:
+            parent, _, last = X.rpartition(".")
+            fused, index = part_to_fused.get(last, (last, 0))
+            module_name = f"{parent}.{fused}" if parent else fused
+            try:
+                layer = vllm_model.get_submodule(module_name)
+            except AttributeError:
+                layer = None
+            if layer is None or not hasattr(layer, "lora_a_stacked"):
+                kind = "no such module" if layer is None else type(layer).__name__
+                raise ValueError(f"model.lora.target_modules: vLLM does not apply LoRA to {X} ({kind}); use "
+                                 "rollout.lora_mode=merged, or leave it out of model.lora.target_modules")
+            out_f, in_f = hf_shapes[f"{X}.weight"]
+            for part, shape in (("lora_A", (r, in_f)), ("lora_B", (out_f, r))):
+                out.append(VllmAdapterRoute(f"{X}.{part}.weight", torch.Size(shape), self.dtype, module_name, part,
+                                            index, self.vllm_scale if part == "lora_B" else 1.0, self))
+        return out
+
+    # -- loading ----------------------------------------------------------------------
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Register ``tensors`` (every adapter tensor, HF names) as a new adapter id and drop
+        the previous one; vLLM copies it into its slot at once (``activate_adapter``)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._next_id
+        self._next_id += 1
+        folder = self.directory / f"v{lora_id}"
+        folder.mkdir()
+        targets = sorted({X.rsplit(".", 1)[-1] for X in self.spec.modules})
+        config = {"peft_type": "LORA", "r": self.spec.rank, "lora_alpha": self.alpha, "target_modules": targets,
+                  "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        save_file({f"base_model.model.{n}": t.detach().to(self.dtype).contiguous().cpu() for n, t in tensors.items()},
+                  str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        request = LoRARequest(ADAPTER_NAME + f"-v{lora_id}", lora_id, str(folder))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not register adapter id {lora_id} (from {folder})")
+        previous, self.request, self._slot = self.request, request, None
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def slot_index(self) -> int:
+        """The GPU slot vLLM placed the current adapter in (asked once per load)."""
+        if self._slot is not None:
+            return self._slot
+        lora_id = None if self.request is None else self.request.lora_int_id
+
+        def where(worker):
+            return list(worker.model_runner.lora_manager._adapter_manager.lora_index_to_id)
+
+        slots = self.llm.collective_rpc(where)[0]
+        if lora_id not in slots:
+            raise RuntimeError(f"vLLM holds no active slot for adapter id {lora_id} (slots: {slots})")
+        self._slot = slots.index(lora_id)
+        return self._slot
+
+    def held(self, route: VllmAdapterRoute) -> torch.Tensor:
+        """What vLLM's LoRA layer holds in its slot for ``route`` (A ``[r, in]``, B ``[out, r]``)."""
+        layer = self._model.get_submodule(route.module_name)
+        slot, r = self.slot_index(), self.spec.rank
+        if route.part == "lora_A":
+            return layer.lora_a_stacked[route.index][slot, 0, :r, :]
+        return layer.lora_b_stacked[route.index][slot, 0, :, :r]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.directory, ignore_errors=True)
