@@ -1,11 +1,5 @@
-"""LoRA RL against full fine-tuning, same run: refit payload and time, trainer memory, learning.
-
-Refit (issue #27): a Qwen2.5-0.5B-Instruct-shaped model (random init, bf16: vocabulary
-151936, hidden 896, 24 layers, 14 / 2 heads, MLP 4864, tied head) with rank-16 adapters
-on q/k/v/o/gate/up/down. Ours: the adapter-mode refit (A/B only, verified off as in
-training) and the merged-mode refit (``W + scale·B·A`` of the targeted weights); baseline:
-the full refit a full-fine-tuning run does every step (every weight, same engine dtype,
-same bucket). Goals: adapter payload <= 2% and time <= 0.1x of the full refit.
+"""LoRA RL against full fine-tuning, same run: trainer memory and learning (issue #27; its
+refit rows, payload and time, are in ``benchmarks/refit.py``).
 
 Memory: the trainer's peak RSS for one RL step of the same job (``rl_job``-sized model,
 GRPO with a KL reference) with LoRA (rank 16, no reference copy, AdamW state for the
@@ -26,66 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SMALL, best_interleaved, format_table, goal_line, parse_args, report, row  # noqa: E402
-
-from hybridrl.lora import apply_lora  # noqa: E402
-from hybridrl.refit import refit_from_model  # noqa: E402
-from hybridrl.rollout import EngineSpec, RolloutEngine  # noqa: E402
-from hybridrl.rollout.layers.lora_adapter import AdapterSpec  # noqa: E402
-
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-BUCKET = 256 << 20  # refit.bucket_mb's default
-
-
-def _mib(named) -> float:
-    return sum(t.numel() * t.element_size() for _, t in named) / 2**20
-
-
-def refit_rows(repeats: int) -> list[dict]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, max_position_embeddings=64)).to(torch.bfloat16).eval()
-    lora = apply_lora(hf, rank=16, alpha=32, dropout=0.0, target_modules=TARGETS)
-    with torch.no_grad():  # a trained adapter's values (B = 0 at init)
-        for layer in lora.layers.values():
-            layer.lora_B["default"].weight.normal_(0, 0.02)
-    spec = EngineSpec(max_batch_size=1, max_seq_len=16, dtype=torch.bfloat16)
-    adapter_spec = EngineSpec(max_batch_size=1, max_seq_len=16, dtype=torch.bfloat16,
-                              lora=AdapterSpec(lora.rank, lora.scale, tuple(lora.targets)))
-    full_engine, merged_engine, adapter_engine = (RolloutEngine(hf.config, s) for s in (spec, spec, adapter_spec))
-    full = lora.refit_tensors("merged", full=True)  # what a full-fine-tuning run sends: every weight
-    adapter = lora.refit_tensors("adapter", full=False, dtype=torch.bfloat16)  # as RolloutWorker sends it
-    merged = lora.refit_tensors("merged", full=False)
-    refit_from_model(full_engine, full, bucket_bytes=BUCKET)
-    refit_from_model(merged_engine, full, bucket_bytes=BUCKET)
-    refit_from_model(adapter_engine, lora.refit_tensors("adapter", full=True), bucket_bytes=BUCKET)
-
-    def partial(engine, named):
-        return lambda: refit_from_model(engine, named, bucket_bytes=BUCKET, partial=True)
-
-    t_full, t_adapter, t_merged = best_interleaved(
-        [lambda: refit_from_model(full_engine, full, bucket_bytes=BUCKET), partial(adapter_engine, adapter),
-         partial(merged_engine, merged)], repeats)
-    # merged: the product W + scale·B·A is computed in the trainer each refit; count it too
-    t_merge = best_interleaved([lora.merged_tensors], repeats)[0]
-    base = f"full refit, every weight ({_mib(full):.0f} MiB bf16)"
-    case = "qwen2.5-0.5b bf16 r16 qkvo+mlp"
-    return [
-        row(case=f"{case} adapter", metric="refit payload MiB", ours=_mib(adapter), baseline=_mib(full),
-            baseline_name=base, higher_is_better=False),
-        row(case=f"{case} adapter", metric="refit s", ours=t_adapter, baseline=t_full, baseline_name=base,
-            higher_is_better=False),
-        row(case=f"{case} merged", metric="refit payload MiB", ours=_mib(merged), baseline=_mib(full),
-            baseline_name=base, higher_is_better=False),
-        row(case=f"{case} merged", metric="refit s (+ merge in trainer)", ours=t_merged + t_merge, baseline=t_full,
-            baseline_name=base, higher_is_better=False),
-    ]
+from _common import SMALL, format_table, parse_args, report, row  # noqa: E402
 
 
 MEMORY_CHILD = r"""
@@ -174,17 +111,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         rows = memory_rows(Path(tmp))
         print(f"memory rows: {time.perf_counter() - t0:.0f} s", flush=True)
-        rows += refit_rows(repeats=3 if args.quick else 7)
         print(format_table(rows), flush=True)
         if not args.quick:
             rows += learning_rows(Path(tmp), Path("bench_out") / "lora_learning.png")
     print(f"\n{time.perf_counter() - t0:.0f} s, rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10} MiB")
     report(rows, args.json)
-    for r in rows:
-        if r["metric"] == "refit payload MiB" and r["case"].endswith("adapter"):
-            print(goal_line("adapter refit payload / full refit <= 0.02 (issue #27)", r["baseline"] / r["ours"], 50))
-        if r["metric"] == "refit s" and r["case"].endswith("adapter"):
-            print(goal_line("adapter refit time / full refit <= 0.1 (issue #27)", r["baseline"] / r["ours"], 10))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ LM head's packed GEMM stale; a no-op for untied models); (c) a whole ``VllmEngin
 (staging, reload, repack, its post-reload check). Every side gets one untimed warm-up call;
 the timed repeats exclude it (best of them).
 
+LoRA (issue #27, ``_lora_refit.py``): on a Qwen2.5-0.5B-shaped bf16 model with rank-16
+adapters on q/k/v/o/gate/up/down, the adapter-mode and merged-mode refits against the full
+refit (built-in engine), and vLLM's adapter-mode refit (a new LoRARequest id) against its
+full reload. Goals: adapter payload <= 2% and time <= 0.1x of the full refit.
+
     python benchmarks/refit.py [--quick] [--json PATH] [--threads N]
 """
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _lora_refit import lora_refit_rows  # noqa: E402
 from _common import (SMALL, best_interleaved, format_table, goal_line, interleaved_times, moe_model,  # noqa: E402
                      parse_args, report, row, speedup, start_vllm, vllm_unavailable, vllm_version)
 
@@ -224,6 +230,7 @@ def main():
         hf = moe_model(**kw)
         for precision, dtype, quant in MOE_CASES:
             rows += run_case(cfg_name, hf, precision, dtype, quant, repeats, bucket=MOE_BUCKET)
+    rows += lora_refit_rows(repeats, vllm=not no_vllm)  # issue #27 (_lora_refit.py)
     print(f"\nthreads={torch.get_num_threads()}, {time.perf_counter() - t0:.0f} s")
     report(rows, args.json)  # table with ratios (> 1 = ours better) and the JSON rows
     print_goals(rows)
@@ -233,6 +240,11 @@ def print_goals(rows: list[dict]) -> None:
     for r in rows:
         if "collective_rpc" in r["baseline_name"]:  # the bare reload (vllm_reload_name)
             print(goal_line(f"refit vs vLLM reload_weights, {r['case']} (issue #14)", speedup(r), 5))
+        if "adapter" in r["case"] and r["metric"] in ("refit payload MiB", "refit s"):
+            what = "payload" if "payload" in r["metric"] else "time"
+            goal = 50 if what == "payload" else 10
+            print(goal_line(f"LoRA adapter refit {what} / full refit <= {1 / goal:g}, {r['case']} (issue #27)",
+                            speedup(r), goal))
     peaks = [r for r in rows if r["metric"] == "peak extra MiB"]
     over = [r["case"] for r in peaks if r["ours"] > r["baseline"]]
     print(f"goal peak extra memory <= {BOUND}: {len(peaks) - len(over)} of {len(peaks)} cases met"
