@@ -394,10 +394,6 @@ class Config:
                     raise ConfigError(f"model.lora.target_modules={sorted(targets)} with rollout.backend=vllm splits "
                                       f"vLLM's fused {'/'.join(group)} layer (it reloads a fused layer from all its "
                                       f"shards); target all of {', '.join(group)} or none")
-        if r.backend == "vllm" and self.launcher.ranks > 1:
-            raise ConfigError(f"model.lora with rollout.backend=vllm on {self.launcher.ranks} ranks: not supported yet "
-                              "(the merged refit into vLLM's tensor-parallel shards is not wired up); use one rank "
-                              "or rollout.backend=builtin")
         if r.quantization and r.lora_mode == "adapter" and "fp8" in r.quantization:
             raise ConfigError(f"rollout.quantization={r.quantization} with rollout.lora_mode=adapter: the FP8 "
                               "rollout weights would be the base's while the adapters stay full precision; use "

@@ -147,10 +147,9 @@ class VllmEngine(WeightUpdateBracket):
         if spec.lora is not None:  # adapter mode: vLLM applies the policy's adapter (lora.py)
             from hybridrl.vllm_backend.lora import lora_llm_kwargs
 
-            if tp_size > 1 or kv_on_refit != "recompute":
-                raise ValueError("VllmEngine: LoRA adapter mode runs on one rank with kv_on_refit=recompute (vLLM "
-                                 "slices adapter slots per rank; requests kept across a refit would hold a removed "
-                                 "adapter id); use rollout.lora_mode=merged")
+            if kv_on_refit != "recompute":
+                raise ValueError("VllmEngine: LoRA adapter mode needs kv_on_refit=recompute (requests kept across "
+                                 "a refit would hold the removed adapter id); use rollout.lora_mode=merged")
             args.update(lora_llm_kwargs(spec.lora))
         if on_cpu and is_mla(hf_config):
             args.update(CPU_LLM_KWARGS)  # CPU_MLA on every host; rotary off for 3-D q/k (mla.py)
@@ -172,7 +171,7 @@ class VllmEngine(WeightUpdateBracket):
 
                 self.adapter = VllmAdapterSlot(self.llm, spec.lora, self.dtype)
                 routes = self.weight_routes
-                routes.add(self.adapter.routes(self.model, routes.part_to_fused, routes.hf_shapes))
+                routes.add(self.adapter.routes(self.model, routes))
         except BaseException:
             self.close()  # vLLM holds a torch.distributed group: the next engine could not start
             raise

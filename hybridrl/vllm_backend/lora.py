@@ -28,8 +28,13 @@ So a route reads ``A = lora_a_stacked[s][slot, 0, :r]`` and ``B = lora_b_stacked
 :, :r]``, and expects ``A.to(dtype)`` and ``fold_scale(B)``: exact, so a refit that left the
 old adapter in the slot fails the check (tested).
 
-Not wired up: tensor parallelism (vLLM slices the slots per rank), ``kv_on_refit=keep``
-(requests in flight would keep a removed adapter id); both refused in one line.
+**Tensor parallel** (vLLM's ``external_launcher``, a shard per trainer rank): every rank writes
+the whole adapter and vLLM keeps its part (column-parallel layers: B's rows; row-parallel: A's
+columns); a route records that part from the base weight's partition, so the check reads and
+expects this rank's slice.
+
+Not wired up: ``kv_on_refit=keep`` (requests in flight would keep a removed adapter id),
+refused in one line.
 """
 
 from __future__ import annotations
@@ -77,18 +82,36 @@ class VllmAdapterRoute:
     slot: Any
     packed: bool = False  # reload_check compares it as a plain tensor, exactly
     tp: Any = None
+    """this rank's part of the HF tensor (tensor parallel, ``_adapter_partition``); None: all."""
 
     @property
     def held_shape(self) -> torch.Size:
-        return self.shape
+        """This rank's part (== ``shape`` without tensor parallelism)."""
+        return self.shape if self.tp is None else self.tp.local_shape(self.shape)
 
     def expected_held(self, tensor: torch.Tensor) -> torch.Tensor:
+        from hybridrl.rollout.layers.tensor_parallel import take_local
+
+        tensor = take_local(tensor, self.shape, self.tp)
         if self.part == "lora_B":
             return fold_scale(tensor, self.scale, self.dtype)
         return tensor.detach().to(self.dtype)
 
     def held(self) -> torch.Tensor:
         return self.slot.held(self)
+
+
+def _adapter_partition(weight_tp):
+    """(A's part, B's part) on this rank from the base weight's partition: a column-parallel
+    layer (rows of W split) holds its rows of B and the whole A; a row-parallel one (columns
+    split) its columns of A and the whole B — vLLM's slicing of the slots (not fully sharded)."""
+    from hybridrl.rollout.layers.tensor_parallel import TPSlice
+
+    if weight_tp is None:
+        return None, None
+    if weight_tp.dim == 0:
+        return None, TPSlice(0, weight_tp.pieces)
+    return TPSlice(1, weight_tp.pieces), None
 
 
 def fold_scale(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -110,11 +133,13 @@ class VllmAdapterSlot:
         self._model = None
         self._slot: int | None = None  # read from vLLM once per load
 
-    def routes(self, vllm_model: torch.nn.Module, part_to_fused: dict[str, tuple[str, int]],
-               hf_shapes: dict[str, tuple[int, ...]]) -> list[VllmAdapterRoute]:
+    def routes(self, vllm_model: torch.nn.Module, table) -> list[VllmAdapterRoute]:
         """Two routes per targeted HF module ``X`` (``spec.modules``): its vLLM LoRA layer and
-        fused shard. A module vLLM does not wrap with LoRA raises a one-line ValueError."""
+        fused shard, and under tensor parallelism this rank's part (``table``: the base
+        weights' ``VllmWeightRoutes``; ``X.weight``'s partition says it). A module vLLM does
+        not wrap with LoRA raises a one-line ValueError."""
         self._model = vllm_model
+        part_to_fused, hf_shapes = table.part_to_fused, table.hf_shapes
         r, out = self.spec.rank, []
         for X in self.spec.modules:
             parent, _, last = X.rpartition(".")
@@ -129,9 +154,10 @@ class VllmAdapterSlot:
                 raise ValueError(f"model.lora.target_modules: vLLM does not apply LoRA to {X} ({kind}); use "
                                  "rollout.lora_mode=merged, or leave it out of model.lora.target_modules")
             out_f, in_f = hf_shapes[f"{X}.weight"]
-            for part, shape in (("lora_A", (r, in_f)), ("lora_B", (out_f, r))):
+            a_tp, b_tp = _adapter_partition(table[f"{X}.weight"].tp)
+            for part, shape, tp in (("lora_A", (r, in_f), a_tp), ("lora_B", (out_f, r), b_tp)):
                 out.append(VllmAdapterRoute(f"{X}.{part}.weight", torch.Size(shape), self.dtype, module_name, part,
-                                            index, self.spec.scale, self))
+                                            index, self.spec.scale, self, tp=tp))
         return out
 
     # -- loading ----------------------------------------------------------------------
