@@ -402,9 +402,6 @@ class Config:
             raise ConfigError(f"rollout.quantization={r.quantization} with rollout.lora_mode=adapter: the FP8 "
                               "rollout weights would be the base's while the adapters stay full precision; use "
                               "rollout.lora_mode=merged (the merged weights are re-quantized at each refit)")
-        if self.trainer.mode != "sync":
-            raise ConfigError(f"model.lora with trainer.mode={self.trainer.mode}: not supported yet (the rollout "
-                              "workers' refit sends whole models); use trainer.mode=sync")
 
     def _check_exact(self) -> None:
         """What rollout.exact cannot hold (it samples with the trainer's modules, in one process)."""

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridrl.config import Config, DataConfig
 from hybridrl.distributed.context import DistContext
-from hybridrl.job.engine_factory import build_engine
+from hybridrl.job.engine_factory import adapter_spec, build_engine
 from hybridrl.job.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
@@ -210,11 +210,13 @@ def build_pipeline(cfg: Config, hf_config, step: RLStep, *, longest_prompt: int,
     from hybridrl.trainer.rollout_worker import RolloutWorker
 
     p, t = cfg.pipeline, cfg.trainer
+    lora = step.rollout.lora  # LoRA: every producer's refits send the adapters (or merged targets)
     if p.placement == "colocated":
         def make_producer(i, sink, wake):
-            engine = build_engine(cfg, hf_config, device=device, ranks=1, longest_prompt=longest_prompt)
+            engine = build_engine(cfg, hf_config, device=device, ranks=1, longest_prompt=longest_prompt, lora=lora)
             worker = RolloutWorker(engine, step.rollout.sampling, device=device,
-                                   bucket_bytes=cfg.refit.bucket_mb << 20, verify_refit=cfg.refit.verify)
+                                   bucket_bytes=cfg.refit.bucket_mb << 20, verify_refit=cfg.refit.verify,
+                                   lora=lora, lora_mode=cfg.rollout.lora_mode)
             return LocalProducer(i, worker, sink, wake, step_latency_s=cfg.rollout.step_latency_ms / 1000)
     else:
         share = max(1, (os.cpu_count() or 1) // (p.workers + 1))  # the host's cores, split evenly
@@ -223,16 +225,17 @@ def build_pipeline(cfg: Config, hf_config, step: RLStep, *, longest_prompt: int,
             torch.set_num_threads(share)
         spec = WorkerSpec(cfg=cfg, hf_config=hf_config, device=str(device), longest_prompt=longest_prompt,
                           threads=threads, step_latency_s=cfg.rollout.step_latency_ms / 1000, verify=cfg.refit.verify,
-                          timeout_s=p.timeout_s)
+                          timeout_s=p.timeout_s, adapter=adapter_spec(lora, cfg.rollout.lora_mode))
 
         if cfg.launcher.name == "ray":  # rollout workers as Ray actors, placed by Ray (weights: object store)
             from hybridrl.pipeline.ray_producer import RayProducer
 
             def make_producer(i, sink, wake):
-                return RayProducer(i, spec, sink, wake, cpus=threads, gpus=1 if device.type == "cuda" else 0)
+                return RayProducer(i, spec, sink, wake, cpus=threads, gpus=1 if device.type == "cuda" else 0,
+                                   lora=lora)
         else:
             def make_producer(i, sink, wake):
-                return RemoteProducer(i, spec, sink, wake, bucket_bytes=cfg.refit.bucket_mb << 20)
+                return RemoteProducer(i, spec, sink, wake, bucket_bytes=cfg.refit.bucket_mb << 20, lora=lora)
     one_step_off = t.mode == "one_step_off"
     placement = ("a thread of the trainer process" if p.placement == "colocated" else
                  "Ray actors" if cfg.launcher.name == "ray" else "processes (weights by shared memory)")

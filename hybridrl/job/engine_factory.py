@@ -24,7 +24,7 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
     r, t = cfg.rollout, cfg.trainer
     spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks * tensor_parallel.size, 256),
                       max_seq_len=cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
-                      quantization=r.quantization, lora=_adapter_spec(lora, r.lora_mode))
+                      quantization=r.quantization, lora=adapter_spec(lora, r.lora_mode))
     if r.exact:
         from hybridrl.exact.engine import ExactEngine
 
@@ -45,9 +45,14 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
                          prefix_cache_bytes=r.prefix_cache_mb << 20, tensor_parallel=tensor_parallel)
 
 
-def _adapter_spec(lora, mode: str):
-    if lora is None or mode != "adapter":
-        return None
+def adapter_spec(lora, mode: str):
+    """The ``AdapterSpec`` an engine applies in ``rollout.lora_mode=adapter`` (None in merged
+    mode or without LoRA). ``lora``: a ``LoRAPolicy``, or already an ``AdapterSpec`` (what a
+    rollout worker process is sent)."""
     from hybridrl.rollout.layers.lora_adapter import AdapterSpec
 
+    if lora is None or mode != "adapter":
+        return None
+    if isinstance(lora, AdapterSpec):
+        return lora
     return AdapterSpec(rank=lora.rank, scale=lora.scale, modules=tuple(lora.targets))

@@ -173,6 +173,15 @@ class LoRAPolicy:
         replaced = dict(merged)
         return [(n, replaced.get(n, t)) for n, t in self.base_tensors()]
 
+    def refit_payload(self, mode: str, held_base: int | None, dtype: torch.dtype | None = None
+                      ) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """(tensors, partial) of the next refit of an engine that holds base version
+        ``held_base`` (None: it holds nothing of this policy): the whole base too when that
+        is not :attr:`base_version`, else only the adapters / merged targets (partial).
+        After the refit succeeds the engine holds :attr:`base_version`."""
+        full = held_base is None or held_base != self.base_version
+        return self.refit_tensors(mode, full=full, dtype=dtype), not full
+
     # -- trainable state (checkpoints) -------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The adapters in peft's saved-file naming (``base_model.model.X.lora_A.weight``)."""

@@ -32,6 +32,31 @@ class ProducerError(RuntimeError):
     """A rollout worker failed (died, raised, or stopped answering)."""
 
 
+class RefitPayload:
+    """What one producer's next refit sends: the policy's tensors, or with LoRA
+    (``lora``: the trainer's ``LoRAPolicy``) its adapters / merged targets, plus the whole
+    base to an engine that does not hold the current one (a new or restarted worker)."""
+
+    def __init__(self, lora, cfg):
+        self.lora, self.mode, self.dtype = lora, cfg.rollout.lora_mode, cfg.model.torch_dtype
+        self._held: int | None = None  # the base version the producer's engine holds
+        self._sending: int | None = None
+
+    def next(self, model: torch.nn.Module, *, fresh: bool = False) -> tuple[list, bool]:
+        """(named tensors, partial); ``fresh``: the engine holds nothing yet."""
+        from hybridrl.refit.transport import named_trainer_tensors
+
+        if self.lora is None:
+            return list(named_trainer_tensors(model)), False
+        named, partial = self.lora.refit_payload(self.mode, None if fresh else self._held, dtype=self.dtype)
+        self._sending = self.lora.base_version
+        return named, partial
+
+    def done(self) -> None:
+        """The refit of the last :meth:`next` succeeded."""
+        self._held = self._sending
+
+
 class LocalProducer:
     """A generation thread on ``worker.engine`` (a ``RolloutWorker`` of its own)."""
 
@@ -58,9 +83,9 @@ class LocalProducer:
             self._pending.extend(requests)
             self._cond.notify()
 
-    def refit(self, model: torch.nn.Module, version: int) -> None:
+    def refit(self, model: torch.nn.Module, version: int, *, partial: bool = False) -> None:
         with self._engine_lock:
-            self.worker.refit(model)
+            self.worker.refit(model, partial=partial)
         self.version = version
 
     def close(self) -> None:
@@ -103,12 +128,14 @@ class RemoteProducer:
     refit channel; a collector thread reads its results."""
 
     def __init__(self, index: int, spec: WorkerSpec, sink: Sink, wake: Callable[[], None], *,
-                 bucket_bytes: int):
+                 bucket_bytes: int, lora=None):
+        """``lora``: the trainer's ``LoRAPolicy``: refits send its payload (``RefitPayload``)."""
         import torch.multiprocessing as mp
 
         from hybridrl.refit.shm import make_channel
 
         self.index, self.spec, self._sink, self._wake = index, spec, sink, wake
+        self.payload = RefitPayload(lora, spec.cfg)
         self.version: int | None = None
         self.failure: str | None = None
         self.idle_seconds = 0.0
@@ -140,7 +167,7 @@ class RemoteProducer:
             raise ProducerError(self._death("while starting")) from None
         if kind == "error":
             raise ProducerError(f"rollout worker {self.index} failed to start: {payload}")
-        self._refit(model, version)
+        self._refit(model, version, fresh=True)
         self.version = version
         self._collector = threading.Thread(target=self._collect, name=f"rollout-{self.index}-results", daemon=True)
         self._collector.start()
@@ -152,15 +179,16 @@ class RemoteProducer:
         self._refit(model, None)
         self.version = version
 
-    def _refit(self, model: torch.nn.Module, align: int | None) -> None:
+    def _refit(self, model: torch.nn.Module, align: int | None, *, fresh: bool = False) -> None:
         from hybridrl.refit.shm import send_refit
-        from hybridrl.refit.transport import named_trainer_tensors
 
+        named, partial = self.payload.next(model, fresh=fresh)
         self._send(("refit", align))
         try:
-            send_refit(self._channel, named_trainer_tensors(model), timeout_s=self.spec.timeout_s)
+            send_refit(self._channel, named, timeout_s=self.spec.timeout_s, partial=partial)
         except RefitError as e:
             raise ProducerError(f"rollout worker {self.index} (pid {self.pid}): refit failed: {e}") from None
+        self.payload.done()
 
     def _send(self, msg) -> None:
         try:

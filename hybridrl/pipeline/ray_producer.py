@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from hybridrl.pipeline.producers import ProducerError, Request, Sink
+from hybridrl.pipeline.producers import ProducerError, RefitPayload, Request, Sink
 from hybridrl.pipeline.worker import WorkerSpec
 
 
@@ -31,7 +31,7 @@ class RolloutActor:
 
         torch.set_num_threads(spec.threads)
         engine = build_engine(spec.cfg, spec.hf_config, device=torch.device(spec.device), ranks=1,
-                              longest_prompt=spec.longest_prompt)
+                              longest_prompt=spec.longest_prompt, lora=spec.adapter)
         worker = RolloutWorker(engine, None, device=torch.device(spec.device), bucket_bytes=spec.cfg.refit.bucket_mb << 20,
                                verify_refit=spec.verify)
         self._finished: queue.Queue = queue.Queue()
@@ -44,8 +44,8 @@ class RolloutActor:
     def submit(self, requests: list) -> None:
         self._producer.submit(requests)
 
-    def refit(self, named: list, version: int) -> None:
-        self._producer.refit(named, version)
+    def refit(self, named: list, version: int, partial: bool = False) -> None:
+        self._producer.refit(named, version, partial=partial)
 
     def poll(self, timeout_s: float) -> tuple[list, float, str | None]:
         """Finished samples (waits up to ``timeout_s`` for the first), idle seconds, failure."""
@@ -66,10 +66,13 @@ class RayProducer:
     """The trainer's handle on one :class:`RolloutActor`; a collector thread polls it."""
 
     def __init__(self, index: int, spec: WorkerSpec, sink: Sink, wake: Callable[[], None], *, cpus: int = 1,
-                 gpus: float = 0):
+                 gpus: float = 0, lora=None):
+        """``lora``: the trainer's ``LoRAPolicy`` (``spec.cfg.rollout.lora_mode``): refits send
+        its payload, the whole base only to an actor that does not hold it yet."""
         import ray
 
         self.index, self.spec, self._sink, self._wake = index, spec, sink, wake
+        self.payload = RefitPayload(lora, spec.cfg)
         self.version: int | None = None
         self.failure: str | None = None
         self.idle_seconds = 0.0
@@ -93,7 +96,9 @@ class RayProducer:
                                 f"{first[:200]})") from None
 
     def start(self, model: torch.nn.Module, version: int) -> None:
-        self._get(self.actor.start.remote(_named(model), version), "while starting")
+        named, _ = self.payload.next(model, fresh=True)
+        self._get(self.actor.start.remote(_put(named), version), "while starting")
+        self.payload.done()
         self.version = version
         self._collector = threading.Thread(target=self._collect, name=f"rollout-{self.index}-results", daemon=True)
         self._collector.start()
@@ -102,7 +107,9 @@ class RayProducer:
         self.actor.submit.remote(requests)  # calls from one caller run in order
 
     def refit(self, model: torch.nn.Module, version: int) -> None:
-        self._get(self.actor.refit.remote(_named(model), version), "on a refit")
+        named, partial = self.payload.next(model)
+        self._get(self.actor.refit.remote(_put(named), version, partial), "on a refit")
+        self.payload.done()
         self.version = version
 
     def _collect(self) -> None:
@@ -134,10 +141,8 @@ class RayProducer:
             pass
 
 
-def _named(model: torch.nn.Module):
-    """The policy's tensors as one object-store entry (every worker reads the same one)."""
+def _put(named: list):
+    """The refit's tensors as one object-store entry."""
     import ray
 
-    from hybridrl.refit.transport import named_trainer_tensors
-
-    return ray.put([(n, t.detach().cpu()) for n, t in named_trainer_tensors(model)])
+    return ray.put([(n, t.detach().cpu()) for n, t in named])

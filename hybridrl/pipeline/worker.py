@@ -38,6 +38,7 @@ class WorkerSpec:
     step_latency_s: float  # rollout.step_latency_ms / 1000
     verify: bool  # refit.verify
     timeout_s: float  # pipeline.timeout_s
+    adapter: Any = None  # LoRA adapter mode: the AdapterSpec the engine is built with (None: plain weights)
 
 
 def worker_main(spec: WorkerSpec, conn, channel) -> None:
@@ -49,7 +50,7 @@ def worker_main(spec: WorkerSpec, conn, channel) -> None:
     torch.set_num_threads(spec.threads)
     try:
         engine = build_engine(spec.cfg, spec.hf_config, device=torch.device(spec.device), ranks=1,
-                              longest_prompt=spec.longest_prompt)
+                              longest_prompt=spec.longest_prompt, lora=spec.adapter)
         conn.send(("ready", os.getpid()))
         idle = 0.0
         while True:

@@ -120,11 +120,12 @@ def _call(conn, msg, timeout_s: float | None):
 
 
 def send_refit(channel: ShmChannel, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-               timeout_s: float | None = DEFAULT_TIMEOUT_S) -> RefitStats:
-    """Trainer side: announce, stream buckets through the shared buffer, finish."""
+               timeout_s: float | None = DEFAULT_TIMEOUT_S, partial: bool = False) -> RefitStats:
+    """Trainer side: announce, stream buckets through the shared buffer, finish.
+    ``partial``: the names are a subset of the engine's (``Refit.begin(names, partial=True)``)."""
     named = list(named_tensors)
     sources = {t.device for _, t in named}
-    _call(channel.conn, ("begin", [n for n, _ in named]), timeout_s)
+    _call(channel.conn, ("begin", [n for n, _ in named], partial), timeout_s)
     packer = BucketPacker(channel.buffer.numel(), buffer=channel.buffer)
     for payload, metas in packer.pack_meta(named):
         # The copies into the bucket (or a large tensor's .contiguous()) are queued, not
@@ -155,7 +156,7 @@ def serve_refit(engine, channel: ShmChannel, *, verify: bool = False,
         touched = ()  # devices of tensors that came with the message
         try:
             if msg[0] == "begin":
-                refit.begin(msg[1])
+                refit.begin(msg[1], partial=msg[2])
                 reply = None
             elif msg[0] == "bucket":
                 refit.load(unpack(channel.buffer, msg[1]))

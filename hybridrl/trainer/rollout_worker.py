@@ -65,24 +65,31 @@ class RolloutWorker:
         """The weight version the engine holds now."""
         return self.engine.weight_version
 
-    def refit(self, model: torch.nn.Module) -> RefitStats:
+    def refit(self, model: torch.nn.Module, *, partial: bool = False) -> RefitStats:
         """Write ``model``'s weights into the engine in place (the refit protocol); an
         FSDP2-sharded model is gathered bucket by bucket (``distributed/refit.py``), or, into a
         built-in tensor-parallel shard, exchanged shard to shard (``distributed/tp_refit.py``).
         LoRA: the base is frozen, so after the engine's first load a refit is *partial* —
         the adapters or the merged targets only (a few MB), verified like a full one. An
         engine that runs the trainer's own modules (``rollout.exact``) is sent nothing: it
-        advances its version, as a refit of identical weights would."""
+        advances its version, as a refit of identical weights would. ``partial``: ``model``
+        is a list of named tensors that covers only some of the engine's (a LoRA payload
+        computed elsewhere: a Ray rollout actor's)."""
         if getattr(self.engine, "shares_trainer_weights", False):
             self.expected_version = self.engine.advance_version()
             return RefitStats(bytes_moved=0, seconds=0.0, version=self.expected_version, num_tensors=0)
         if self.lora is not None:
-            full = self.engine.weight_version == 0 or self._engine_base_version != self.lora.base_version
-            named = self.lora.refit_tensors(self.lora_mode, full=full,  # whole tensors (FSDP2: gathered)
-                                            dtype=getattr(self.engine, "dtype", None))
+            held = None if self.engine.weight_version == 0 else self._engine_base_version
+            named, partial = self.lora.refit_payload(self.lora_mode, held,  # whole tensors (FSDP2: gathered)
+                                                     dtype=getattr(self.engine, "dtype", None))
             stats = refit_from_model(self.engine, named, bucket_bytes=self.bucket_bytes, verify=self.verify_refit,
-                                     partial=not full)
+                                     partial=partial)
             self._engine_base_version = self.lora.base_version
+            self.expected_version = self.version
+            return stats
+        if partial:
+            stats = refit_from_model(self.engine, model, bucket_bytes=self.bucket_bytes, verify=self.verify_refit,
+                                     partial=True)
             self.expected_version = self.version
             return stats
         refit = refit_from_model  # a whole model: the engine takes its tensor-parallel slices itself

@@ -95,7 +95,8 @@ def test_ray_two_simulated_hosts_strict_spread(tmp_path):
 def test_ray_async_rollout_worker_on_another_host(tmp_path, capfd):
     """trainer.mode=async under launcher.name=ray: the rollout worker is a Ray actor; with two
     one-CPU nodes it lands on the other node than the trainer's rank, and every refit crosses
-    the object store (verified)."""
+    the object store (verified). With LoRA: after the actor's first load a refit carries only
+    the adapters (a partial refit in the actor)."""
     from ray.cluster_utils import Cluster
 
     from hybridrl.config.io import load_config
@@ -106,7 +107,8 @@ def test_ray_async_rollout_worker_on_another_host(tmp_path, capfd):
     try:
         ray.init(address=cluster.address)
         cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=async",
-                                        "launcher.name=ray", "trainer.mode=async", "pipeline.max_staleness=1"])
+                                        "launcher.name=ray", "trainer.mode=async", "pipeline.max_staleness=1",
+                                        "model.lora.rank=4", "refit.verify=true"])
         launch_ray(cfg)
         rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -164,7 +164,6 @@ def test_bad_lora_settings_are_one_line_errors():
                      (["rollout.backend=vllm", "rollout.lora_mode=merged", "model.lora.target_modules=[q_proj]"],
                       "splits vLLM's fused"),
                      (["rollout.quantization=fp8"], "lora_mode=merged"),
-                     (["trainer.mode=async"], "trainer.mode=async"),
                      (["model.lora.init=pissa"], "model.lora.init"),
                      (["rollout.lora_mode=both"], "rollout.lora_mode")):
         with pytest.raises(ConfigError, match=key) as e:
