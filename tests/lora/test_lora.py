@@ -160,7 +160,6 @@ def test_bad_lora_settings_are_one_line_errors():
         RolloutEngine(model.config, EngineSpec(max_batch_size=2, max_seq_len=16,
                                                lora=AdapterSpec(4, 2.0, tuple(lora.targets))))
     for bad, key in ((["rollout.backend=vllm", "rollout.kv_on_refit=keep"], "rollout.kv_on_refit=recompute"),
-                     (["rollout.backend=vllm", "model.arch=deepseek_v3"], "DeepSeek loader"),
                      (["rollout.backend=vllm", "rollout.lora_mode=merged", "model.lora.target_modules=[q_proj]"],
                       "splits vLLM's fused"),
                      (["rollout.quantization=fp8"], "lora_mode=merged"),
