@@ -3,11 +3,17 @@ never depends on how many rows were computed with it, or where in the tensor it 
 
 Why each op needs it (measured on torch 2.13 CPU, MKL / oneDNN, 2 threads):
 
-- ``F.linear``: MKL's float32 GEMM takes other kernels for a few rows (M in 1-7 and 9
-  gave other bits than the same rows inside M >= 16); multiples of ``ROW_TILE`` rows
-  gave the same bits for every M tried (16 ... 4096), bf16 too. So the rows are
-  zero-padded up to a multiple of ``ROW_TILE``: a decode step of 3 rows runs the
-  kernel of 16, like the trainer's 4000.
+- ``F.linear``: MKL's GEMM picks its kernel and blocking from the shape. On an AVX2 host
+  (AMD EPYC) M in 1-7 and 9 gave other bits than the same rows inside M >= 16 while every
+  multiple of 16 agreed; on an AVX-512 host (Intel Xeon with AMX) *no* two row counts
+  agreed at Qwen2.5-0.5B's widths (K = 896: 1, 16, 100 rows vs 720, float32 and bf16),
+  although the small models' widths did. What holds on both: one GEMM shape. So the rows
+  are zero-padded to a multiple of ``GEMM_TILE`` and computed ``GEMM_TILE`` rows per call
+  (``padded_linear``): a decode step of 3 rows and the trainer's 4000 run the same
+  ``[GEMM_TILE, K] x [K, N]`` kernel on every tile, and a row's bits do not depend on its
+  place in the tile (probed). The backward is one GEMM per gradient (its values need not
+  match anything). Cost (Qwen2.5-0.5B's MLP, 720 rows, AVX-512): 1.9x one whole GEMM;
+  a 3-row decode step pays for 32 rows.
 - transcendental elementwise ops (silu, sigmoid, cos, sin, ...): torch's vectorized
   loop computes the tail of a buffer (and of each thread's chunk) with the scalar
   formula, which differs from the SIMD one in the last bit for ~4% of inputs; so the
@@ -37,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-ROW_TILE = 16
+ROW_TILE = 16  # attention query rows are padded to a multiple of it (attention.py)
+GEMM_TILE = 32  # rows per F.linear call
 UNARY_PIECE = 16384  # elements per call: a multiple of every SIMD width, below torch's grain (32768)
 VOCAB_PIECE = 2048   # columns per partial reduction of a long row
 
@@ -61,16 +68,36 @@ def active() -> bool:
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the rows (all leading dims flattened) zero-padded to a multiple of
-    ``ROW_TILE``; differentiable."""
+    ``GEMM_TILE`` and computed one ``GEMM_TILE``-row GEMM at a time; differentiable."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     flat = x.reshape(rows, k)
-    pad = -rows % ROW_TILE
+    pad = -rows % GEMM_TILE
     if pad or rows == 0:
-        pad = pad or ROW_TILE
+        pad = pad or GEMM_TILE
         flat = torch.cat([flat, flat.new_zeros(pad, k)])
-    out = F.linear(flat, weight, bias)
+    out = _TiledLinear.apply(flat, weight, bias)
     return out[:rows].reshape(*lead, out.shape[-1])
+
+
+class _TiledLinear(torch.autograd.Function):
+    """Forward: one GEMM per ``GEMM_TILE`` rows (``flat`` has a multiple of them). Backward:
+    one GEMM per gradient, as ``F.linear``'s (only forward values must be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(flat, weight)
+        ctx.has_bias = bias is not None
+        with torch.no_grad():
+            return torch.cat([F.linear(tile, weight, bias) for tile in flat.split(GEMM_TILE)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ flat if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
 
 
 def pieced_unary(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -162,14 +189,16 @@ def check_batch_invariance(dtype: torch.dtype, hidden: int = 256, seed: int = 0,
     ``dtype``: rows computed alone, inside a few rows and inside many must carry the same
     bits. Raises :class:`BatchInvarianceError` (one line) when they do not."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(3 * hidden, hidden, generator=g).to(device, dtype)
-    x = torch.randn(300, hidden, generator=g).to(device, dtype)
-    many = padded_linear(x, w)
-    for rows in (1, 3, 9, 17):
-        if not torch.equal(padded_linear(x[:rows], w), many[:rows]):
-            raise BatchInvarianceError(
-                f"rollout.exact: this machine's {device} {dtype} GEMM gives {rows} rows other bits than the same rows among "
-                f"300, even padded to {ROW_TILE}; exact mode cannot hold here (set rollout.exact=false)")
+    for k in (hidden, 896):  # 896: a width where the AVX-512 GEMM varied with the row count (module doc)
+        w = torch.randn(3 * k, k, generator=g).to(device, dtype)
+        x = torch.randn(300, k, generator=g).to(device, dtype)
+        many = padded_linear(x, w)
+        for rows, start in ((1, 0), (3, 0), (9, 0), (17, 0), (40, 5), (40, 11)):
+            if not torch.equal(padded_linear(x[start:start + rows], w), many[start:start + rows]):
+                raise BatchInvarianceError(
+                    f"rollout.exact: this machine's {device} {dtype} GEMM gives rows {start}..{start + rows - 1} other "
+                    f"bits than the same rows among 300, even in {GEMM_TILE}-row tiles; exact mode cannot hold here "
+                    "(set rollout.exact=false)")
     q = torch.randn(4, 8 * ROW_TILE, 32, generator=g).to(device, dtype)
     k = torch.randn(4, 32, 64, generator=g).to(device, dtype)
     if not torch.equal(torch.matmul(q[:1, :ROW_TILE], k[:1]), torch.matmul(q, k)[:1, :ROW_TILE]):

@@ -1,10 +1,11 @@
 """LoRA adapter mode on the vLLM backend (``rollout.lora_mode=adapter``): vLLM holds the base
 weights once and applies the adapter itself (``enable_lora``); a refit sends A/B only.
 
-    slot = VllmAdapterSlot(llm, spec, dtype, directory)     # spec: rollout.layers.lora_adapter.AdapterSpec
-    routes.add(slot.routes(vllm_model, part_to_fused))      # X.lora_A.weight / X.lora_B.weight
+    slot = VllmAdapterSlot(llm, spec, dtype)             # spec: rollout.layers.lora_adapter.AdapterSpec
+    routes.add(slot.routes(vllm_model, routes))          # X.lora_A.weight / X.lora_B.weight
     slot.load({"model.layers.0.self_attn.q_proj.lora_A.weight": A, ...})   # every adapter tensor
     llm.generate(..., lora_request=slot.request)
+    with base_layers_in_place(vllm_model): ...           # a base reload (VllmEngine._reload)
 
 **One adapter, a new id per refit.** vLLM serves adapters through its public LoRA path: a peft
 folder on disk and a ``LoRARequest(name, id, path)``. Each load writes the tensors as a peft
