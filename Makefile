@@ -31,8 +31,14 @@ install-test: install
 run: install
 	$(BIN)/hybridrl train $(ARGS)
 
+# The suite on pytest-xdist workers, one per core (at most 8), each pinned to its cores
+# (tests/conftest.py: torch's spinning OpenMP threads must not share a core); tests that
+# cannot run beside a copy of themselves (vLLM, Ray) share one worker. PYTEST_WORKERS=0:
+# one process, in order.
+PYTEST_WORKERS ?= auto
+
 test: install-test
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 8 --dist loadgroup $(PYTEST_ARGS)
 
 # Every benchmark once (--quick; BENCH_ARGS="--full", "--only masks,packing", ...), then one
 # table of that run: bench_out/README_table.md (benchmarks/report.py).
