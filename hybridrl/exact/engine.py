@@ -27,7 +27,7 @@ import torch
 from hybridrl.exact.attention import exact_attention_for
 from hybridrl.exact.ops import batch_invariant, check_batch_invariance, exact_log_softmax
 from hybridrl.rollout.backend import expand_requests
-from hybridrl.rollout.layers.sampler import _truncate, make_uniforms
+from hybridrl.rollout.layers.sampler import SamplingTensors, draw, make_uniforms
 from hybridrl.rollout.rollouts import build_rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
 
@@ -118,6 +118,9 @@ class ExactEngine:
                              device=device).view(B, 1)
         top_p = torch.tensor([p.top_p for _, p, _, _ in chunk], dtype=torch.float32, device=device).view(B, 1)
         truncate = bool((top_k < self.vocab_size).any() or (top_p < 1).any())
+        st = SamplingTensors(temperature=torch.tensor(temps, dtype=torch.float32, device=device).view(B, 1),
+                             top_k=top_k, top_p=top_p, uniforms=uniforms, all_greedy=False,
+                             use_top_k_top_p=truncate, any_greedy=any(t == 0 for t in temps))
 
         backbone = getattr(self.model, self.model.base_model_prefix)
         head = self.model.get_output_embeddings()
@@ -130,7 +133,7 @@ class ExactEngine:
         reason = [None] * B
         for step in range(steps):
             logits = head(hidden)
-            tokens, logp = self._sample(logits, temps, uniforms[:, step:step + 1], top_k, top_p, truncate)
+            tokens, logp = self._sample(logits, temps, st, step)
             tl, ll = tokens.tolist(), logp.tolist()
             for b in range(B):
                 if reason[b] is not None:
@@ -149,8 +152,10 @@ class ExactEngine:
         return [(out_tokens[b], out_logp[b], reason[b]) for b in range(B)]
 
     @staticmethod
-    def _sample(logits, temps, u, top_k, top_p, truncate):
-        """logits [B, V] (model dtype) -> tokens [B] long, log-probs [B] float32."""
+    def _sample(logits, temps, st: SamplingTensors, step: int):
+        """logits [B, V] (model dtype) -> tokens [B] long, log-probs [B] float32: the log-probs
+        in the trainer's numerics (each row divided by its Python-scalar temperature, as the
+        trainer divides, then the fixed-order log-softmax), drawn by the engine's sampler."""
         z = logits.float()
         if len(set(temps)) == 1:
             t = temps[0]
@@ -158,13 +163,4 @@ class ExactEngine:
                 z = z / t  # a Python scalar, as the trainer divides
         else:
             z = torch.stack([row / t if t not in (0.0, 1.0) else row for row, t in zip(z, temps)])
-        logp = exact_log_softmax(z)
-        greedy = torch.tensor([t == 0 for t in temps], device=z.device)
-        probs = logp.exp()
-        if truncate:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            probs = torch.zeros_like(probs).scatter_(-1, order, _truncate(sorted_probs, top_k, top_p))
-        cdf = probs.double().cumsum(dim=-1)
-        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=z.shape[-1] - 1).squeeze(-1)
-        tokens = torch.where(greedy, z.argmax(dim=-1), tokens)
-        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return draw(logits.float(), exact_log_softmax(z), st, step)

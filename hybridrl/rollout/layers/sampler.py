@@ -48,6 +48,14 @@ def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.
         logp = torch.log_softmax(logits, dim=-1)  # (B, V)
     else:
         logp = torch.log_softmax(logits / torch.where(st.temperature == 0, 1.0, st.temperature), dim=-1)
+    return draw(logits, logp, st, step)
+
+
+def draw(logits: torch.Tensor, logp: torch.Tensor, st: SamplingTensors, step: int
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens from ``logp [B, V]`` = ``log_softmax(logits / T)`` (computed by the caller, in
+    its numerics: exact mode's differ), then (tokens [B] long, their log-probs [B]): top-k /
+    top-p in sorted order, the row's uniform inverted on the CDF, greedy rows the argmax."""
     probs = logp.exp()
     if st.use_top_k_top_p:
         # Truncate in sorted order, then scatter back: the CDF is always inverted in vocabulary
