@@ -101,10 +101,14 @@ def test_vllm_backend_rejects_what_it_cannot_do():
         load_config(None, ["rollout.backend=vllm", "launcher.nproc_per_node=2"])
 
 
-def test_two_ranks_with_one_vllm_tp2_engine_train_what_one_process_trains(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["model.lora.rank=4", "model.lora.init=gaussian", "optim.lr=3e-2"]],
+                         ids=["full", "lora-adapter"])
+def test_two_ranks_with_one_vllm_tp2_engine_train_what_one_process_trains(tmp_path, lora):
     """launcher.nproc_per_node=2 rollout.tensor_parallel_size=2: vLLM's external_launcher in the
     two trainer processes (a shard each), refit from the FSDP2 shards (gathered per bucket,
-    vLLM's loaders keep their partition; verified), against one process with a whole vLLM engine."""
+    vLLM's loaders keep their partition; verified), against one process with a whole vLLM engine.
+    With LoRA (adapter mode): the adapters gathered from their shards, each rank's vLLM slots
+    holding its slice."""
     import json
     import os
     import subprocess
@@ -113,7 +117,7 @@ def test_two_ranks_with_one_vllm_tp2_engine_train_what_one_process_trains(tmp_pa
     def run(name, extra):
         cmd = [sys.executable, "-m", "hybridrl", "train", *_overrides(tmp_path, 2), *extra,
                "data.num_digits=1", "warm_start.steps=150", "warm_start.lr=3e-3", "algo.policy_loss.entropy_coeff=0.01",
-               "trainer.threads=1", f"trainer.run_name={name}"]
+               "trainer.threads=1", f"trainer.run_name={name}", *lora]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
