@@ -132,6 +132,32 @@ def _truncation_kl(engine, ro, temperature: float, top_k: int, top_p: float) -> 
     return float(-(kept[m].clamp(min=1e-30).log()).mean()) if m.any() else 0.0
 
 
+def _staleness(cfg: Config, step, ro, old: torch.Tensor, mask: torch.Tensor, seed: int, trainer) -> Cause:
+    """What a batch ``s = pipeline.max_staleness`` versions old adds (one_step_off: s = 1):
+    ``s`` synchronous steps of the job move the trainer on, then it scores this batch's tokens
+    again; the KL between the two trainer scorings is the policy's drift over ``s`` updates
+    on these tokens. Shown alongside (not part of the sum). Runs last: it trains the doctor's
+    scratch copy of the job."""
+    mode = cfg.trainer.mode
+    if mode == "sync":
+        return Cause("staleness", "trainer.mode=sync", None, note="a synchronous batch is on-policy", additive=False)
+    s = 1 if mode == "one_step_off" else cfg.pipeline.max_staleness
+    if s == 0:
+        return Cause("staleness", f"{mode}, max_staleness=0", 0.0, additive=False,
+                     note="every batch is sampled by the weights it trains")
+    pipeline, step.pipeline = step.pipeline, None  # s steps of the same recipe, synchronously
+    try:
+        rng = random.Random(seed + 1)
+        for _ in range(s):
+            step(rng)
+    finally:
+        step.pipeline = pipeline
+    later, _ = trainer()
+    return Cause("staleness", f"{mode}, max_staleness={s}", token_gap(old, later, mask)["kl"],
+                 additive=False, note=f"KL of the trainer {s} update(s) later vs now on these tokens (measured: "
+                                      f"{s} steps of this job); algo.correction.tis_cap corrects it")
+
+
 def diagnose(cfg: Config, step, *, seed: int = 0, engine_temperature: float | None = None) -> Diagnosis:
     """Measure the gap of one batch of ``step``'s job (an ``RLStep`` after its warm start).
     ``engine_temperature``: sample and score the engine at this temperature instead of
@@ -229,9 +255,7 @@ def diagnose(cfg: Config, step, *, seed: int = 0, engine_temperature: float | No
                "the vLLM backend gives sampled log-probs only (no teacher-forced scoring through it here)")
         for name in ("decode path", "quantization", "temperature", "MoE routing", "kernels (residual)"):
             causes.append(Cause(name, "", None, note=f"not available: {why}", additive=False))
-    causes.append(Cause("staleness", f"trainer.mode={cfg.trainer.mode}", None, additive=False,
-                        note="a synchronous batch is on-policy" if cfg.trainer.mode == "sync" else
-                        "not measured by the doctor (one synchronous batch); see the run's actor/tis_* metrics"))
+    causes.append(_staleness(cfg, step, ro, old, mask, seed, trainer))
     recs = _recommend(cfg, step, prompts, params, total, causes, job_seconds, old, ro.logprobs, mask)
     diffs = (old - ro.logprobs).abs()[mask]
     return Diagnosis(total=total, by_position=gap_by(old, ro.logprobs, mask, response_positions(ro.response_mask),
@@ -260,6 +284,10 @@ def _recommend(cfg: Config, step, prompts, params, total, causes, job_seconds, o
     m = by.get("MoE routing")
     if m is not None and m.effect_kl and not r.routing_replay:
         recs.append(f"rollout.routing_replay=true: token KL -> {m.kl_without:.3g} ({m.effect_kl / kl:.0%} of the gap)")
+    st = by.get("staleness")
+    if st is not None and st.effect_kl and st.effect_kl > kl:
+        recs.append(f"staleness outweighs the engine mismatch here ({st.setting}: KL {st.effect_kl:.3g} vs "
+                    f"{kl:.3g}): lower pipeline.max_staleness, or correct it with algo.correction.tis_cap")
     exact = _exact_gap(cfg, step, prompts, params, job_seconds)
     if exact is not None:
         recs.append(exact)

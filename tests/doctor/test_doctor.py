@@ -44,6 +44,19 @@ def test_a_planted_temperature_mismatch_is_the_top_cause(tmp_path):
     assert any("trainer's temperature" in r for r in d.recommendations)
 
 
+def test_async_staleness_is_measured(tmp_path):
+    """trainer.mode=async: the doctor runs max_staleness steps of the job and reports the
+    trainer's drift on the batch's tokens (outside the sum); sync reports none."""
+    cfg = load_config(None, [*JOB, "batch.prompts_per_step=8", "trainer.mode=async", "pipeline.max_staleness=2",
+                             f"trainer.output_dir={tmp_path}"])
+    d, _ = doctor_mismatch(cfg, str(tmp_path / "doc"), console=lambda line: None)
+    stale = _causes(d)["staleness"]
+    assert stale.setting == "async, max_staleness=2" and not stale.additive
+    # fp32, full precision: the engine mismatch is rounding (~1e-14); two updates move far more
+    assert stale.effect_kl > 100 * d.total["kl"] > 0, (stale, d.total)
+    assert any(r.startswith("staleness outweighs") for r in d.recommendations)
+
+
 def test_periodic_mismatch_metric_is_logged(tmp_path):
     from hybridrl.job.loop import train
 
