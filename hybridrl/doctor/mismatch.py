@@ -173,8 +173,9 @@ def diagnose(cfg: Config, step, *, seed: int = 0, engine_temperature: float | No
     prompts = [step.train_set.prompts[i] for i in batch_idx]
     sampling = dataclasses.replace(worker.sampling, temperature=t_engine)
     params = [dataclasses.replace(sampling, seed=s) for s in seeds]
+    ro = worker.engine.generate(prompts, params)  # the batch; a first call pays the engine's warm-up (vLLM)
     t0 = time.perf_counter()
-    ro = worker.engine.generate(prompts, params)
+    worker.engine.generate(prompts, params)  # the same seeds: timed warm, for the exact engine's comparison
     job_seconds = time.perf_counter() - t0
     mask = ro.response_mask.bool()
     if not mask.any():
@@ -320,14 +321,17 @@ def _exact_gap(cfg: Config, step, prompts, params, job_seconds: float) -> str | 
                         max_seq_len=getattr(engine, "max_seq_len", 256),
                         pad_token_id=getattr(engine, "pad_token_id", 0))
     exact.advance_version()
-    t0 = time.perf_counter()
     ro = exact.generate(prompts, params)
+    t0 = time.perf_counter()
+    exact.generate(prompts, params)  # timed warm, as the job engine is
     seconds = time.perf_counter() - t0
     with batch_invariant():
         old, _ = logprobs_in_microbatches(model, ro.input_ids, ro.attention_mask, ro.response_mask,
                                           temperature=step.actor.temperature, max_tokens=step.actor.max_tokens)
     g = token_gap(old, ro.logprobs, ro.response_mask)
     differ = int((old[ro.response_mask.bool()] != ro.logprobs[ro.response_mask.bool()]).sum())
-    return (f"rollout.exact=true: token KL {g['kl']:.3g}, {differ} of {g['tokens']} tokens differ (measured on this "
-            f"batch; the old-log-prob pass is skipped); its rollout took {seconds / max(job_seconds, 1e-9):.1f}x the "
-            "job engine's")
+    switch = "rollout.exact=true" + ("" if r.backend == "builtin" else " rollout.backend=builtin") + (
+        " rollout.quantization=null" if r.quantization else "")
+    ratio = seconds / max(job_seconds, 1e-9)
+    return (f"{switch}: token KL {g['kl']:.3g}, {differ} of {g['tokens']} tokens differ (measured on this "
+            f"batch; the old-log-prob pass is skipped); its rollout took {ratio:.2g}x the job engine's")

@@ -131,3 +131,18 @@ def test_two_ranks_with_one_vllm_tp2_engine_train_what_one_process_trains(tmp_pa
         for key in ("actor/pg_loss", "actor/entropy"):
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
+def test_doctor_mismatch_on_a_vllm_job(tmp_path):
+    """hybridrl doctor on rollout.backend=vllm: the total gap from vLLM's own sampled log-probs
+    (fp32: rounding), the causes it cannot switch off said so in one line each, the exact
+    recommendation naming the backend switch it needs, the report written."""
+    from hybridrl.doctor.run import doctor_mismatch
+
+    cfg = load_config(None, _overrides(tmp_path, 1) + ["warm_start.steps=100", "batch.prompts_per_step=8"])
+    d, out = doctor_mismatch(cfg, str(tmp_path / "doc"), console=lambda line: None)
+    assert d.total["tokens"] > 20 and 0 <= d.total["kl"] < 1e-8
+    by = {c.name: c for c in d.causes}
+    assert by["quantization"].effect_kl is None and "vLLM backend" in by["quantization"].note
+    assert any(r.startswith("rollout.exact=true rollout.backend=builtin:") for r in d.recommendations)
+    assert sorted(p.name for p in out.iterdir()) == ["mismatch.json", "mismatch.png", "mismatch.txt"]
