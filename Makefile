@@ -33,12 +33,12 @@ run: install
 
 # The suite on pytest-xdist workers, one per core (at most 8), each pinned to its cores
 # (tests/conftest.py: torch's spinning OpenMP threads must not share a core); tests that
-# cannot run beside a copy of themselves (vLLM, Ray) share one worker. PYTEST_WORKERS=0:
-# one process, in order.
+# cannot run beside each other (vLLM tensor parallel, Ray) take a host-wide lock.
+# PYTEST_WORKERS=0: one process, in order.
 PYTEST_WORKERS ?= auto
 
 test: install-test
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 8 --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 8 $(PYTEST_ARGS)
 
 # Every benchmark once (--quick; BENCH_ARGS="--full", "--only masks,packing", ...), then one
 # table of that run: bench_out/README_table.md (benchmarks/report.py).

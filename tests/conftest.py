@@ -1,47 +1,64 @@
-"""Suite-wide collection rules.
+"""Suite-wide rules for running the tests on several pytest-xdist workers (``make test``).
 
-``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``). Tests that
-cannot share the host with a copy of themselves run on one worker, one after another:
+**Cores.** Each worker runs on its own share of the cores (``sched_setaffinity``; its
+subprocesses inherit it): torch's OpenMP threads spin while they wait for each other, so
+workers that each used every core slowed some tests 10-30x (measured: a 4 s doctor test took
+139 s). ``trainer.threads=0`` ("all cores") then means the worker's cores.
 
-- ``tests/vllm``: vLLM's CPU build binds its OpenMP threads to cores and names its CPU
-  all-reduce's /dev/shm segments after the group alone (two tensor-parallel engines at once
-  collide: ``create shm in SHMManager failed. errno: 17``);
-- the Ray tests: each starts a local cluster of its own.
+**Tests that cannot run beside each other** take a host-wide lock (``fcntl.flock`` on a file
+in the temp dir) for their duration, whichever worker runs them:
 
-Each worker runs on its own share of the cores (``sched_setaffinity``; its subprocesses
-inherit it): torch's OpenMP threads spin while they wait for each other, so two workers
-that each used every core slowed some tests 10-30x (measured: a 4 s doctor test took 139 s).
-``trainer.threads=0`` ("all cores") then means the worker's cores.
+- ``vllm-tp``: vLLM tensor-parallel engines. vLLM's CPU all-reduce names its /dev/shm
+  segments after the group alone, so two at once collide (``create shm in SHMManager
+  failed. errno: 17``);
+- ``ray``: Ray clusters (a plain ``ray.init()`` may join another test's cluster).
+
+A lock, not an ``xdist_group`` marker: xdist 3.8's ``--dist loadgroup`` does not group under
+pytest 9.2 (it renames ``item._nodeid``, which pytest no longer reads; checked).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 
 import pytest
 
-SERIAL_GROUPS = {"vllm": ("tests/vllm/",), "ray": ("tests/distributed/test_launchers.py",)}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path = item.nodeid
-        for group, prefixes in SERIAL_GROUPS.items():
-            if path.startswith(prefixes):
-                item.add_marker(pytest.mark.xdist_group(group))
+HOST_LOCKS = {
+    "vllm-tp": ("tests/vllm/test_vllm_tensor_parallel.py",
+                "tests/vllm/test_vllm_training.py::test_two_ranks_with_one_vllm_tp2_engine"),
+    "ray": ("tests/distributed/test_launchers.py::test_ray",),
+}
 
 
 def pytest_configure(config):
-    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... (a replacement worker: a higher N)
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or count < 2 or not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < count:
         return
-    index = int(worker.removeprefix("gw"))
-    share = cores[index::count]
+    share = cores[int(worker.removeprefix("gw")) % count::count]
+    if not share:
+        return
     os.sched_setaffinity(0, share)
     import torch
 
     torch.set_num_threads(len(share))
+
+
+@pytest.fixture(autouse=True)
+def _host_lock(request):
+    group = next((g for g, prefixes in HOST_LOCKS.items() if request.node.nodeid.startswith(prefixes)), None)
+    if group is None:
+        yield
+        return
+    import fcntl
+
+    path = os.path.join(tempfile.gettempdir(), f"hybridrl-tests-{group}.lock")
+    with open(path, "a") as f, contextlib.ExitStack() as stack:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
+        yield

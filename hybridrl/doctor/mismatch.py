@@ -150,9 +150,12 @@ def _staleness(cfg: Config, step, ro, old: torch.Tensor, mask: torch.Tensor, see
         rng = random.Random(seed + 1)
         for _ in range(s):
             step(rng)
+        later, _ = trainer()
+    except Exception as e:  # noqa: BLE001 - the rest of the diagnosis stands; this one cause says why
+        return Cause("staleness", f"{mode}, max_staleness={s}", None, additive=False,
+                     note=f"not measured: {s} steps of the job failed ({type(e).__name__}: {e})".splitlines()[0])
     finally:
         step.pipeline = pipeline
-    later, _ = trainer()
     return Cause("staleness", f"{mode}, max_staleness={s}", token_gap(old, later, mask)["kl"],
                  additive=False, note=f"KL of the trainer {s} update(s) later vs now on these tokens (measured: "
                                       f"{s} steps of this job); algo.correction.tis_cap corrects it")
@@ -173,9 +176,9 @@ def diagnose(cfg: Config, step, *, seed: int = 0, engine_temperature: float | No
     prompts = [step.train_set.prompts[i] for i in batch_idx]
     sampling = dataclasses.replace(worker.sampling, temperature=t_engine)
     params = [dataclasses.replace(sampling, seed=s) for s in seeds]
-    ro = worker.engine.generate(prompts, params)  # the batch; a first call pays the engine's warm-up (vLLM)
+    worker.engine.generate(prompts[:1], params[:1])  # warm-up: a first call pays the engine's start (vLLM)
     t0 = time.perf_counter()
-    worker.engine.generate(prompts, params)  # the same seeds: timed warm, for the exact engine's comparison
+    ro = worker.engine.generate(prompts, params)
     job_seconds = time.perf_counter() - t0
     mask = ro.response_mask.bool()
     if not mask.any():
@@ -256,8 +259,9 @@ def diagnose(cfg: Config, step, *, seed: int = 0, engine_temperature: float | No
                "the vLLM backend gives sampled log-probs only (no teacher-forced scoring through it here)")
         for name in ("decode path", "quantization", "temperature", "MoE routing", "kernels (residual)"):
             causes.append(Cause(name, "", None, note=f"not available: {why}", additive=False))
+    exact = _exact_gap(cfg, step, prompts, params, job_seconds) if total["kl"] else None  # before _staleness trains
     causes.append(_staleness(cfg, step, ro, old, mask, seed, trainer))
-    recs = _recommend(cfg, step, prompts, params, total, causes, job_seconds, old, ro.logprobs, mask)
+    recs = _recommend(cfg, total, causes, exact, old, ro.logprobs, mask)
     diffs = (old - ro.logprobs).abs()[mask]
     return Diagnosis(total=total, by_position=gap_by(old, ro.logprobs, mask, response_positions(ro.response_mask),
                                                      POSITION_EDGES),
@@ -266,7 +270,7 @@ def diagnose(cfg: Config, step, *, seed: int = 0, engine_temperature: float | No
                      scatter={"entropy": entropy[mask].tolist(), "abs_diff": diffs.tolist()})
 
 
-def _recommend(cfg: Config, step, prompts, params, total, causes, job_seconds, old, rollout_lp, mask) -> list[str]:
+def _recommend(cfg: Config, total, causes, exact: str | None, old, rollout_lp, mask) -> list[str]:
     """Settings for this job with their measured effect (each from this run's numbers)."""
     r, recs = cfg.rollout, []
     by = {c.name: c for c in causes}
@@ -289,7 +293,6 @@ def _recommend(cfg: Config, step, prompts, params, total, causes, job_seconds, o
     if st is not None and st.effect_kl and st.effect_kl > kl:
         recs.append(f"staleness outweighs the engine mismatch here ({st.setting}: KL {st.effect_kl:.3g} vs "
                     f"{kl:.3g}): lower pipeline.max_staleness, or correct it with algo.correction.tis_cap")
-    exact = _exact_gap(cfg, step, prompts, params, job_seconds)
     if exact is not None:
         recs.append(exact)
     if cfg.algo.correction.tis_cap is None:
@@ -321,9 +324,9 @@ def _exact_gap(cfg: Config, step, prompts, params, job_seconds: float) -> str | 
                         max_seq_len=getattr(engine, "max_seq_len", 256),
                         pad_token_id=getattr(engine, "pad_token_id", 0))
     exact.advance_version()
-    ro = exact.generate(prompts, params)
+    exact.generate(prompts[:1], params[:1])  # warm-up, as the job engine's
     t0 = time.perf_counter()
-    exact.generate(prompts, params)  # timed warm, as the job engine is
+    ro = exact.generate(prompts, params)
     seconds = time.perf_counter() - t0
     with batch_invariant():
         old, _ = logprobs_in_microbatches(model, ro.input_ids, ro.attention_mask, ro.response_mask,

@@ -86,7 +86,8 @@ class _TiledLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(flat, weight)
+        # the input is kept only for the weight's gradient (a frozen LoRA base needs none)
+        ctx.save_for_backward(flat if weight.requires_grad else None, weight)
         ctx.has_bias = bias is not None
         with torch.no_grad():
             return torch.cat([F.linear(tile, weight, bias) for tile in flat.split(GEMM_TILE)])

@@ -278,6 +278,8 @@ class VllmEngine(WeightUpdateBracket):
                     self._refresh_tied_head()
                 if adapter_names:  # a new adapter id in vLLM's LoRA slot (lora.py)
                     self.adapter.load({n: staged[n] for n in adapter_names})
+                elif base and self.adapter is not None:  # vLLM's reload dropped the adapter: register it again
+                    self.adapter.reregister()
             self.last_reload_seconds = time.perf_counter() - t0
             if self.check_reload:
                 self._check_reload(staged)

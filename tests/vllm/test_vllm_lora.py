@@ -83,6 +83,22 @@ def test_adapter_refits_match_the_peft_model(lora_engine, tiny_checkpoint):
             assert_greedy_matches(lora.model, p, toks)
 
 
+def test_a_base_only_refit_keeps_the_adapter(lora_engine, tiny_checkpoint):
+    """vLLM's reload drops every adapter; a refit of base weights alone registers the current
+    one again: the log-probs stay the peft model's, the adapter id unchanged."""
+    engine, lora = lora_engine
+    _, tok, _ = tiny_checkpoint
+    _draw_b(lora, seed=random.randrange(1 << 16))
+    _adapter_refit(engine, lora)
+    lora_id = engine.lora_request.lora_int_id
+    refit_from_model(engine, lora.base_tensors(), verify=True, partial=True)
+    assert engine.lora_request.lora_int_id == lora_id and engine.llm.llm_engine.list_loras() == {lora_id}
+    ro = engine.generate(encode(tok), SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=5))
+    trainer, _ = logprobs_in_microbatches(lora.model, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                          temperature=1.0, max_tokens=4096)
+    assert float(((trainer - ro.logprobs).abs() * ro.response_mask).max()) <= 1e-5
+
+
 def test_zero_b_serves_exactly_the_base(lora_engine, tiny_checkpoint, monkeypatch):
     """B = 0: vLLM's sampled tokens and log-probs with the adapter equal its base model's
     (the same vLLM engine without a LoRARequest), and greedy equals transformers' base."""
