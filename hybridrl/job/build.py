@@ -219,7 +219,8 @@ def build_pipeline(cfg: Config, hf_config, step: RLStep, *, longest_prompt: int,
                                    lora=lora, lora_mode=cfg.rollout.lora_mode)
             return LocalProducer(i, worker, sink, wake, step_latency_s=cfg.rollout.step_latency_ms / 1000)
     else:
-        share = max(1, (os.cpu_count() or 1) // (p.workers + 1))  # the host's cores, split evenly
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        share = max(1, cores // (p.workers + 1))  # the cores this process may run on, split evenly
         threads = p.worker_threads or t.threads or share
         if t.threads == 0:
             torch.set_num_threads(share)
