@@ -89,8 +89,8 @@ class PipelineConfig:
                                          "(weights by shared memory) | colocated: one worker thread in the trainer "
                                          "process, time-sharing its device")
     workers: int = _f(1, "disaggregated: rollout worker processes (whole prompt groups are spread over them)")
-    worker_threads: int = _f(0, "disaggregated: torch CPU threads of each worker process; 0 = the host's cores "
-                                "split evenly between the trainer and the workers (the trainer then uses its "
+    worker_threads: int = _f(0, "disaggregated: torch CPU threads of each worker process; 0 = the cores this process "
+                                "may run on split evenly between the trainer and the workers (the trainer then uses its "
                                 "share, unless trainer.threads is set)")
     worker_restarts: int = _f(1, "a rollout worker that dies is replaced this many times in a run (its groups are "
                                  "regenerated); then the job ends with the worker's exit")
