@@ -89,8 +89,7 @@ class _TiledLinear(torch.autograd.Function):
         # the input is kept only for the weight's gradient (a frozen LoRA base needs none)
         ctx.save_for_backward(flat if weight.requires_grad else None, weight)
         ctx.has_bias = bias is not None
-        with torch.no_grad():
-            return torch.cat([F.linear(tile, weight, bias) for tile in flat.split(GEMM_TILE)])
+        return torch.cat([F.linear(tile, weight, bias) for tile in flat.split(GEMM_TILE)])  # (no graph: a Function)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

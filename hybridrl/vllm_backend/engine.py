@@ -268,7 +268,7 @@ class VllmEngine(WeightUpdateBracket):
         self.weight_routes.clear_readback()
         try:
             self.sleep_state.wake("weights")  # the reload writes into the weights' storage
-            adapter_names = {n for n in staged if _is_adapter(n)} if self.adapter is not None else set()
+            adapter_names = staged.keys() & self.adapter.names if self.adapter is not None else set()
             base = [(n, t) for n, t in staged.items() if n not in adapter_names]
             t0 = time.perf_counter()
             with preserve_torch_state(), torch.no_grad():
@@ -448,10 +448,6 @@ class VllmEngine(WeightUpdateBracket):
     @property
     def kv_on_refit(self) -> str:
         return self.requests.kv_on_refit
-
-
-def _is_adapter(name: str) -> bool:
-    return name.endswith((".lora_A.weight", ".lora_B.weight"))
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,7 @@ class VllmAdapterSlot:
         self.request = None  # the LoRARequest every generation carries (None before the first load)
         self._next_id = 1
         self._model = None
+        self.names: frozenset[str] = frozenset()  # the HF names of its routes (``routes``)
         self._slot: int | None = None  # read from vLLM once per load
 
     def routes(self, vllm_model: torch.nn.Module, table) -> list[VllmAdapterRoute]:
@@ -205,6 +206,7 @@ class VllmAdapterSlot:
             for part, shape, tp in (("lora_A", (r, in_f), a_tp), ("lora_B", (out_f, r), b_tp)):
                 out.append(VllmAdapterRoute(f"{X}.{part}.weight", torch.Size(shape), self.dtype, module_name, part,
                                             index, self.spec.scale, self, tp=tp))
+        self.names = frozenset(r.hf_name for r in out)
         return out
 
     # -- loading ----------------------------------------------------------------------
