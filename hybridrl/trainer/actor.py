@@ -14,8 +14,8 @@ import torch
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
 from hybridrl.config import AlgoConfig, Config, OptimConfig
-from hybridrl.trainer.forward import (ForwardOptions, MoEForward, compute_logprobs_entropy,
-                                      router_load_balancing_loss)
+from hybridrl.trainer.balance_loss import router_load_balancing_loss
+from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprobs_entropy
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import prefix_cache_expandable, shared_prefix_logprobs_entropy
 

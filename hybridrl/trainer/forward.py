@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from hybridrl.attention.hf_varlen import varlen_attention_for
 from hybridrl.attention.packing import make_microbatches, unpad, unpad_indices
 from hybridrl.attention.varlen import flash_attn_usable
+from hybridrl.trainer.v4_indexer import engine_selection
 
 ATTN_BACKENDS = ("auto", "varlen", "block_diagonal", "bucketed")
 # CPU choice, measured: for long rows (benchmarks/packing.py, lengths U[16, 512]) one
@@ -302,23 +303,8 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, option
     target_flat = scored.flatten().nonzero().squeeze(1)  # (N,) into (B*L)
     source_flat = target_flat - 1  # hidden state at t-1 predicts token t
 
-    if not options.packed:
-        routing = None if moe is None else moe.routed_experts
-        extra = {"output_router_logits": True} if moe is not None and moe.wants_logits else {}
-        with (moe.replay(model, routing) if moe is not None else contextlib.nullcontext()):
-            hidden = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
-        if extra:
-            real = attention_mask.flatten().bool()
-            moe.router_logits.append(tuple(r[real] for r in hidden.router_logits))
-        hidden_all = hidden.last_hidden_state.flatten(0, 1)  # (B*L, D)
-        lookup = torch.arange(batch * seq, device=input_ids.device)
-    else:
-        mean_len = float((attention_mask != 0).sum()) / max(batch, 1)
-        backend = _resolve_backend(options.attn_backend, input_ids.device, lm_head.weight.dtype, mean_len,
-                                   getattr(model.config, "model_type", None))
-        hidden_all, lookup = _packed_forward(model, input_ids, attention_mask, backend,
-                                             options.max_tokens_per_microbatch, moe)
-
+    with engine_selection(model):  # DeepSeek-V4: the engine's indexer choice (v4_indexer.py)
+        hidden_all, lookup = _hidden_states(model, input_ids, attention_mask, options, moe, lm_head.weight.dtype)
     hidden_src = hidden_all[lookup[source_flat]]  # (N, D)
     logp, ent = chunked_logprobs_entropy(
         hidden_src, lm_head, input_ids.flatten()[target_flat], temperature=options.temperature,
@@ -329,6 +315,25 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, option
     entropy = (zeros.index_put((target_flat,), ent).view(batch, seq) if options.compute_entropy
                else zeros.view(batch, seq))
     return logprobs, entropy
+
+
+def _hidden_states(model, input_ids, attention_mask, options: ForwardOptions, moe: MoEForward | None, dtype):
+    """The backbone's hidden states ``[T, D]`` and ``lookup [B*L]`` (flat position -> row of
+    them), padded (``options.packed=False``: every position) or packed (real tokens only)."""
+    batch, seq = input_ids.shape
+    if options.packed:
+        mean_len = float((attention_mask != 0).sum()) / max(batch, 1)
+        backend = _resolve_backend(options.attn_backend, input_ids.device, dtype, mean_len,
+                                   getattr(model.config, "model_type", None))
+        return _packed_forward(model, input_ids, attention_mask, backend, options.max_tokens_per_microbatch, moe)
+    routing = None if moe is None else moe.routed_experts
+    extra = {"output_router_logits": True} if moe is not None and moe.wants_logits else {}
+    with (moe.replay(model, routing) if moe is not None else contextlib.nullcontext()):
+        hidden = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+    if extra:
+        real = attention_mask.flatten().bool()
+        moe.router_logits.append(tuple(r[real] for r in hidden.router_logits))
+    return hidden.last_hidden_state.flatten(0, 1), torch.arange(batch * seq, device=input_ids.device)
 
 
 def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=None):
@@ -352,44 +357,3 @@ def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=N
             pieces.append(hidden)
             offset += hidden.shape[0]
     return torch.cat(pieces), lookup
-
-
-
-def router_load_balancing_loss(model: torch.nn.Module, router_logits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-    """The MoE load-balancing loss (Switch Transformer, Fedus et al. 2021; transformers'
-    ``load_balancing_loss_func``) over every real token of the backbone calls whose router
-    logits were collected (one tuple per call, one ``[T, E]`` per MoE layer)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-
-    config = model.config
-    per_layer = tuple(torch.cat(layer) for layer in zip(*router_logits))
-    if config.model_type == "deepseek_v3":
-        return sigmoid_balance_loss(model, per_layer)
-    if config.model_type == "deepseek_v4":  # transformers' own V4 loss, over its top-k router layers
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import load_balancing_loss_func as v4_loss
-
-        return v4_loss(per_layer, config.n_routed_experts, config.num_experts_per_tok)
-    return load_balancing_loss_func(per_layer, config.num_experts, config.num_experts_per_tok)
-
-
-def sigmoid_balance_loss(model: torch.nn.Module, per_layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """DeepSeek-V3's complementary balance loss (its report, eq. 17-20), over the batch's
-    tokens rather than per sequence: per MoE layer ``E * sum_i f_i P_i`` with ``f_i`` the
-    fraction of the ``T * k`` token slots routed to expert i (the router's own grouped, bias-corrected
-    selection) and ``P_i`` the mean of the sum-normalized sigmoid scores; averaged over
-    layers. 1.0 when the load is uniform."""
-    from hybridrl.rollout.models.moe import select_experts_grouped
-    from hybridrl.rollout.routing import hf_routers
-
-    total = 0.0
-    for router, logits in zip(hf_routers(model), per_layer):
-        logits = logits.float()
-        scores = logits.sigmoid()
-        with torch.no_grad():
-            ids, _ = select_experts_grouped(logits, router.e_score_correction_bias, router.top_k,
-                                            router.num_group, router.topk_group, router.norm_topk_prob, 1.0)
-            E = scores.shape[-1]
-            f = torch.bincount(ids.reshape(-1), minlength=E).float() / ids.numel()
-        p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
-        total = total + E * (f * p).sum()
-    return total / len(per_layer)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridrl.trainer.v4_indexer import engine_selection
+
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
@@ -67,7 +69,8 @@ class ValueModel(nn.Module):
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``input_ids, attention_mask [B, L]`` → ``values [B, L]`` float32 (V(prefix before t); see module doc)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
+        with engine_selection(self.backbone):  # DeepSeek-V4: a value independent of the padding (v4_indexer.py)
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
         v = self.value_head(hidden.float()).squeeze(-1)  # (B, L): value after reading token t
         v = torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)  # shift: position t ← state before t
         return torch.where(attention_mask.bool(), v, 0.0)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridrl.rollout import EngineSpec, RolloutEngine
 from tests.rollout._deepseek import fresh_seed
-from tests.rollout.test_deepseek_v4 import TYPES, VOCAB, draw_config, hf_model
+from tests.rollout._deepseek_v4 import TYPES, VOCAB, draw_config, hf_model, reference
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # what the release stores in FP8 (the rest of the 2-D weights in bf16): attention, indexer query, shared MLP
@@ -129,8 +129,7 @@ def test_a_save_pretrained_checkpoint_loads_with_transformers_numerics(tmp_path)
     hf.save_pretrained(tmp_path / "ckpt")
     engine = RolloutEngine.from_pretrained(str(tmp_path / "ckpt"), _spec())
     ids = torch.randint(0, VOCAB, (2, 70))
-    with torch.no_grad():
-        ref = hf(input_ids=ids).logits
+    ref = reference(hf, input_ids=ids).logits
     got = engine.logits(ids, torch.ones_like(ids))
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
 
@@ -148,8 +147,7 @@ def test_the_released_layout_loads_directly_and_a_refit_requantizes_into_its_byt
     assert len(mtp) == 1 and "3 tensors" in mtp[0] and "[0]" in mtp[0], mtp
     ids = torch.randint(0, VOCAB, (2, 70))
     hf = _reference(hf, values, tmp_path / "dequantized")
-    with torch.no_grad():
-        ref = hf(input_ids=ids).logits
+    ref = reference(hf, input_ids=ids).logits
     torch.testing.assert_close(plain.logits(ids, torch.ones_like(ids)), ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
 
     engine = RolloutEngine.from_pretrained(str(tmp_path / "ckpt"), _spec("fp8_block_ue8m0+mxfp4"))

@@ -6,8 +6,8 @@ import torch
 
 from hybridrl.attention import varlen
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainer.forward import (ForwardOptions, MoEForward, compute_logprobs_entropy, router_load_balancing_loss,
-                                      sigmoid_balance_loss)
+from hybridrl.trainer.balance_loss import router_load_balancing_loss, sigmoid_balance_loss
+from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprobs_entropy
 from tests.rollout import _deepseek as ds
 
 
@@ -64,9 +64,9 @@ def test_deepseek_v4_trainer_logprobs_equal_engine_logprobs_and_packing_is_refus
 
     from hybridrl.refit.transport import named_trainer_tensors
     from hybridrl.rollout import EngineSpec, RolloutEngine
-    from tests.rollout.test_deepseek_v4 import _drawn
+    from tests.rollout._deepseek_v4 import drawn, reference
 
-    cfg, hf = _drawn(31)
+    cfg, hf = drawn(31)
     eng = RolloutEngine(cfg, EngineSpec(max_batch_size=4, max_seq_len=96, dtype=torch.float32), record_routing=True)
     eng.load_weights(named_trainer_tensors(hf))
     prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in random.Random(0).sample(range(5, 40), 4)]
@@ -84,7 +84,7 @@ def test_deepseek_v4_trainer_logprobs_equal_engine_logprobs_and_packing_is_refus
     with torch.no_grad():
         for b in range(len(prompts)):
             ids = out.input_ids[b][out.attention_mask[b].bool()]
-            rows.append(hf(input_ids=ids[None], output_router_logits=True).router_logits)
+            rows.append(reference(hf, input_ids=ids[None], output_router_logits=True).router_logits)
     want = load_balancing_loss_func(tuple(torch.cat(layer) for layer in zip(*rows)), cfg.n_routed_experts,
                                     cfg.num_experts_per_tok)
     assert len(moe.router_logits[0]) == cfg.mlp_layer_types.count("moe")

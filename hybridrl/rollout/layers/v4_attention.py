@@ -35,6 +35,7 @@ from hybridrl.rollout.layers.linear import ColumnParallelLinear, LinearBase, Rep
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, mark_split
+from hybridrl.rollout.layers.v4_selection import select_top_entries
 from hybridrl.rollout.v4_state import ring_positions
 
 
@@ -200,7 +201,8 @@ class Indexer(_Compressor):
 
     def select(self, x, q_res, positions, rotary: V4Rotary, keys: torch.Tensor) -> torch.Tensor:
         """Queries x / q_res [B, S, *] at ``positions [B, S]`` over the index keys ``[B, n, D_I]``
-        -> ids [B, S, min(topk, n)] of the chosen complete entries, -1 = none."""
+        -> ids [B, S, min(topk, n)] of the chosen complete entries, -1 = none (the rule:
+        :func:`select_top_entries`)."""
         B, S, _ = x.shape
         q = self.q_b_proj(q_res).view(B, S, self.heads, self.head_dim)
         cos, sin = rotary.tables("compress", positions)
@@ -209,14 +211,8 @@ class Indexer(_Compressor):
         scores = F.relu(scores) * self.head_dim ** -0.5
         weights = self.scorer.weights_proj(x).float() * self.heads ** -0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, S, n)
-        n = keys.shape[1]
-        k = min(self.topk, n)
-        if n == 0:
-            return scores.topk(k, dim=-1).indices
-        threshold = (positions + 1) // self.rate  # (B, S): entries < threshold are complete
-        future = torch.arange(n, device=x.device).view(1, 1, -1) >= threshold.unsqueeze(-1)
-        ids = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
-        return torch.where(ids >= threshold.unsqueeze(-1), torch.full_like(ids, -1), ids)
+        # ties to the most recent entry: the choice never depends on the row's length (v4_selection)
+        return select_top_entries(scores, (positions + 1) // self.rate, self.topk)
 
 
 class V4Attention(nn.Module):
