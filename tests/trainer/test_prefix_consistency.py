@@ -15,6 +15,8 @@ wrong indexer pick measured 0.2-2 nats).
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -46,14 +48,25 @@ def _model(family: str, seed: int):
         heads = {} if seed % 2 else {"index_n_heads": 1 + seed % 3}
         return v4.drawn(seed, probe_len=MAX_SEQ, max_position_embeddings=2 * MAX_SEQ, **heads)
     if family == "deepseek_v3":
-        import random
-
         cfg = ds.draw_config(random.Random(seed), max_position_embeddings=2 * MAX_SEQ)
         return cfg, ds.hf_model(cfg, seed % 1000)
     make = make_moe_config if family.endswith("_moe") else make_config
-    cfg = make(family, max_position_embeddings=2 * MAX_SEQ)
+    rng = random.Random(seed)
+    cfg = make(family, max_position_embeddings=2 * MAX_SEQ, **_drawn_fields(family, rng))
+    cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": rng.choice([1e4, 1e6])}  # transformers 5 reads it there
     kw = {"experts_implementation": "eager"} if family.endswith("_moe") else {}
     return cfg, make_hf_model(cfg, seed % 1000, **kw)
+
+
+def _drawn_fields(family: str, rng: random.Random) -> dict:
+    """The fields that change a dense / MoE computation, drawn: KV heads (MHA, GQA, MQA),
+    norm epsilon, tied head (rope theta: ``_model``); MoE: experts, top-k, renormalization, sparse step."""
+    fields = dict(num_key_value_heads=rng.choice([1, 2, 4]), rms_norm_eps=rng.choice([1e-6, 1e-5, 1e-2]),
+                  tie_word_embeddings=rng.random() < 0.5)
+    if family.endswith("_moe"):
+        fields.update(num_experts=rng.choice([4, 8]), num_experts_per_tok=rng.randint(1, 3),
+                      norm_topk_prob=rng.random() < 0.5, decoder_sparse_step=rng.choice([1, 2]))
+    return fields
 
 
 def _engine(cfg, hf) -> RolloutEngine:
