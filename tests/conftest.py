@@ -15,6 +15,13 @@ in the temp dir) for their duration, whichever worker runs them:
 
 A lock, not an ``xdist_group`` marker: xdist 3.8's ``--dist loadgroup`` does not group under
 pytest 9.2 (it renames ``item._nodeid``, which pytest no longer reads; checked).
+
+**Seeds** (``tests/_seeds.py``): every test runs with its global generators seeded from one
+per-test seed, fresh each run; a failure's report names it, and ``pytest --seed N`` (or
+``HYBRIDRL_TEST_SEED=N``) replays it. Rules for tests, written here because they are the
+suite's contract: every random input comes from that seed (``tests._seeds.fresh_seed()``
+for a test's own draws); an outcome test derives its threshold from what the numerics
+guarantee, or compares two runs on the same machine; no wall-clock bounds.
 """
 
 from __future__ import annotations
@@ -25,11 +32,35 @@ import tempfile
 
 import pytest
 
+import _seeds
+
 HOST_LOCKS = {
-    "vllm-tp": ("tests/vllm/test_vllm_tensor_parallel.py",
-                "tests/vllm/test_vllm_training.py::test_two_ranks_with_one_vllm_tp2_engine"),
+    "vllm-tp": ("tests/vllm_backend/test_vllm_tensor_parallel.py",
+                "tests/vllm_backend/test_vllm_training.py::test_two_ranks_with_one_vllm_tp2_engine"),
     "ray": ("tests/distributed/test_launchers.py::test_ray",),
 }
+
+
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=None,
+                     help="seed every test's random inputs with this (replays a failure's seed)")
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    seed = _seeds.choose(request.config.getoption("--seed"))
+    request.node.user_properties.append(("seed", seed))
+    _seeds.begin(seed)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = dict(item.user_properties).get("seed")
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"seed {seed}: replay with `pytest --seed {seed} '{item.nodeid}'`"))
 
 
 def pytest_configure(config):

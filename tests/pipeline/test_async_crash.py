@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import _seeds
 from _async_run import ASYNC_JOB, planned_rows
 
 STEPS = 12
@@ -53,7 +54,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_at_a_random_moment_then_resume_trains_every_prompt_once(tmp_path: Path) -> None:
-    kill_after = random.Random().uniform(2, 8)  # steps done, fractional: mid-step as often as between
+    kill_after = random.Random(_seeds.fresh_seed()).uniform(2, 8)  # steps done, fractional: mid-step as often as between
     proc = subprocess.Popen(_cmd(tmp_path), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline, workers = time.monotonic() + 300, []
     while _steps_done(tmp_path / "run") < int(kill_after) and proc.poll() is None and time.monotonic() < deadline:

@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 
+import _seeds
 import pytest
 
 from _async_run import ASYNC_JOB
@@ -31,7 +32,7 @@ def _kill_first_worker_mid_run(monkeypatch) -> list:
         calls.append(self)
         if len(calls) == 2 and not started:
             started.append(self)
-            delay = random.Random().uniform(0.0, 0.05)
+            delay = random.Random(_seeds.fresh_seed()).uniform(0.0, 0.05)
             threading.Timer(delay, os.kill, (self.process.pid, signal.SIGKILL)).start()
 
     monkeypatch.setattr(producers.RemoteProducer, "submit", submit)

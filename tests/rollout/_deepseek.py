@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import _seeds
 import torch
 import transformers
 
@@ -20,7 +21,9 @@ VOCAB = 101
 
 
 def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
+    """A new seed per call, derived from the test's seed (``tests/_seeds.py``: printed on failure,
+    replayed by ``pytest --seed N``)."""
+    return _seeds.fresh_seed()
 
 
 def config(**overrides) -> transformers.DeepseekV3Config:

@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+import _seeds
 import pytest
 import torch
 
@@ -57,7 +58,7 @@ def _same(a, b, tol=1e-5):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_request_gives_the_same_tokens_alone_or_in_any_mix(hf, temperature):
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     x = (_prompt(rng, 7), SamplingParams(temperature=temperature, max_tokens=20, seed=rng.randrange(1 << 30)))
     others = {f"o{i}": (_prompt(rng), SamplingParams(temperature=1.0, max_tokens=rng.randint(2, 30), seed=i,
                                                      top_k=rng.choice([-1, 5]), stop_token_ids=(rng.randrange(VOCAB),)))
@@ -76,7 +77,7 @@ def test_a_request_gives_the_same_tokens_alone_or_in_any_mix(hf, temperature):
 def test_generate_under_continuous_batching_matches_transformers(hf):
     """More prompts than rows, each with its own length and stop token: every row equals
     transformers' greedy generation of that prompt alone."""
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     prompts = [_prompt(rng) for _ in range(9)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), stop_token_ids=(rng.randrange(VOCAB),))
               for _ in prompts]
@@ -92,7 +93,7 @@ def test_generate_under_continuous_batching_matches_transformers(hf):
 
 
 def test_a_conversation_continues_from_its_retained_prefix(hf):
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     engine = _engine(hf)
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
     first = _prompt(rng, 20)
@@ -120,7 +121,7 @@ def test_a_conversation_continues_from_its_retained_prefix(hf):
 
 
 def test_an_evicted_parent_is_recomputed_and_an_unknown_one_is_an_error(hf):
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     engine = _engine(hf, prefix_cache_bytes=1)  # nothing fits: every retained prefix is evicted at once
     p = SamplingParams(temperature=0.0, max_tokens=6)
     prompt = _prompt(rng, 9)
@@ -149,7 +150,7 @@ def _perturbed(hf, seed):
 def test_a_refit_mid_generation_recomputes_and_continues_as_a_fresh_start(hf):
     """Greedy: tokens after the interruption == a fresh engine with the new weights started
     from prompt + the tokens before it; every token records the version that sampled it."""
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     new = _perturbed(hf, seed=9)
     engine = _engine(hf, max_batch_size=3)
     prompts = {f"r{i}": _prompt(rng) for i in range(4)}  # one more than rows: one waits
@@ -195,7 +196,7 @@ def _peek(engine, prompts):
 def test_keep_mode_continues_on_the_old_kv_with_new_versions(hf):
     new = _perturbed(hf, seed=10)
     engine = _engine(hf, kv_on_refit="keep")
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     prompt = _prompt(rng, 10)
     engine.add_request("k", prompt, SamplingParams(temperature=0.0, max_tokens=12))
     for _ in range(4):
@@ -209,7 +210,7 @@ def test_keep_mode_continues_on_the_old_kv_with_new_versions(hf):
 
 
 def test_bad_requests_are_one_line_errors_and_change_nothing(hf):
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     engine = _engine(hf, max_batch_size=2)
     p = SamplingParams(temperature=0.0, max_tokens=8)
     ok = _prompt(rng, 6)
@@ -233,7 +234,7 @@ def test_bad_requests_are_one_line_errors_and_change_nothing(hf):
 
 
 def test_abort_returns_the_partial_output_and_frees_the_row(hf):
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     engine = _engine(hf, max_batch_size=2)
     p = SamplingParams(temperature=0.0, max_tokens=20)
     prompts = {k: _prompt(rng) for k in ("a", "b", "c")}
@@ -259,7 +260,7 @@ def test_abort_returns_the_partial_output_and_frees_the_row(hf):
 
 
 def test_the_prefill_budget_never_starves_decoding(hf):
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     engine = _engine(hf, max_batch_size=4, max_prefill_tokens=10)
     p = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
     engine.add_request("first", _prompt(rng, 20), p)  # longer than the budget: admitted alone
@@ -319,7 +320,7 @@ def test_prefix_cache_evicts_least_recently_used_within_its_byte_budget():
 
 def test_requests_with_more_stop_ids_than_before_join_a_running_batch(hf):
     """The stop-id table widens when a wider request arrives; every row keeps its own stops."""
-    rng = random.Random()
+    rng = random.Random(_seeds.fresh_seed())
     engine = _engine(hf, max_batch_size=3)
     first = _prompt(rng, 6)
     engine.add_request("one-stop", first, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(7,)))

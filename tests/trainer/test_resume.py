@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import _seeds
 import pytest
 import torch
 from _tiny import TINY_MODEL
@@ -66,7 +67,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, case):
     # the uninterrupted run beside the killed one (one thread each, two cores): same bits, half the wait
     straight = subprocess.Popen(_cmd(tmp_path, "straight", extra), env=_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
-    kill_after = random.Random().randint(3, 9)  # a fresh random step each run of the suite
+    kill_after = random.Random(_seeds.fresh_seed()).randint(3, 9)  # a fresh random step each run of the suite
     proc = subprocess.Popen(_cmd(tmp_path, "killed", extra), env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
