@@ -169,6 +169,37 @@ def test_masks_grads_and_weights(name):
     torch.testing.assert_close(base, ones)
 
 
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_is_weights_multiply_each_tokens_loss(name, mode):
+    """The loss is linear in the per-token IS weights with each token's own loss as the
+    coefficient: loss(w) == sum_t w_t * loss(e_t) (e_t: weight 1 on token t alone). Weights
+    ignored, applied to the wrong token, squared or normalized away all break it."""
+    gen, mask, old, lp, adv = _batch(4, B=3, L=4)
+    kw = dict(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
+              clip=ClipRange(low=0.2, high=0.28), aggregation=LossAggregation(mode=mode))
+    weights = rand(mask.shape, gen).abs() + 0.1
+    got, _ = _call(name, rollout_is_weights=weights, **kw)
+    want = torch.zeros((), **F64)
+    for t in mask.flatten().nonzero()[:, 0].tolist():
+        one_hot = torch.zeros(mask.numel(), **F64)
+        one_hot[t] = 1.0
+        alone, _ = _call(name, rollout_is_weights=one_hot.view(mask.shape), **kw)
+        want = want + weights.flatten()[t] * alone
+    torch.testing.assert_close(got, want)
+    unweighted, _ = _call(name, **kw)
+    assert not torch.allclose(got, unweighted)
+
+
+def test_vanilla_is_weights_by_hand():
+    # ratios 1 (no clip): per-token loss -A; weights 2 and 0.5, token-mean over 2 tokens
+    old = torch.tensor([[-1.0, -2.0]], **F64)
+    adv = torch.tensor([[1.0, 3.0]], **F64)
+    loss, _ = _call("vanilla", old_log_prob=old, log_prob=old.clone(), advantages=adv,
+                    response_mask=torch.ones_like(old), rollout_is_weights=torch.tensor([[2.0, 0.5]], **F64))
+    torch.testing.assert_close(loss, torch.tensor(-(2.0 * 1.0 + 0.5 * 3.0) / 2, **F64))
+
+
 def test_on_policy_losses_agree_at_ratio_one():
     """At π_θ = π_old, PPO/CISPO/REINFORCE have the same gradient (-A ∇log π)."""
     _, mask, old, _, adv = _batch(3)
