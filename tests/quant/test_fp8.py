@@ -6,6 +6,21 @@ from hybridrl.quant.fp8 import (BLOCK, FP8_DTYPE, abs_error_bound, block_scale_s
                                 quantize_, reference_scale)
 
 
+def _independent_scale(src: torch.Tensor, block: bool) -> torch.Tensor:
+    """The scale rule written out, not through ``quantize_``: per row (or per 128x128 tile,
+    ragged at the edges) ``max(amax, 1e-12) / 448``, in float64 then rounded to float32."""
+    src = src.double()
+    if not block:
+        return (src.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0).float()
+    n, k = src.shape
+    rows, cols = -(-n // 128), -(-k // 128)
+    out = torch.empty(rows, cols, dtype=torch.float64)
+    for i in range(rows):
+        for j in range(cols):
+            out[i, j] = max(float(src[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)].abs().max()), 1e-12) / 448.0
+    return out.float()
+
+
 def _alloc(n, k, block):
     w = torch.empty(n, k, dtype=FP8_DTYPE)
     s = torch.empty(block_scale_shape(n, k) if block else (n, 1), dtype=torch.float32)
@@ -25,8 +40,12 @@ def test_roundtrip_within_bound_and_in_place(block, shape):
     out = torch.empty(shape, dtype=torch.float64)
     dequantize_(w, s, out)
     err = (out - src.double()).abs()
-    bound = abs_error_bound(src, s).double()
     assert torch.isfinite(out).all()
+    # e4m3: 3 mantissa bits (half an ulp is 2^-4 relative), subnormal step 2^-9 (half: 2^-10) —
+    # of the *independent* scale, so a too-large scale (coarser grid) fails
+    want = _independent_scale(src, block)
+    torch.testing.assert_close(s, want, rtol=2 ** -23, atol=0)
+    bound = abs_error_bound(src, want).double()
     assert (err <= bound).all(), float((err - bound).max())
     assert torch.equal(s, reference_scale(src, block=block))
 
