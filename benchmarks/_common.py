@@ -6,7 +6,7 @@ A row is one measured quantity, ours next to a baseline measured in the same run
 a stored number)::
 
     {"case": "32x8", "metric": "step s", "ours": 1.2, "baseline": 3.4,
-     "baseline_name": "trl GRPOTrainer", "higher_is_better": false}
+     "baseline_name": "TRL 1.16.0 GRPOTrainer, ...", "higher_is_better": false}
 
 The printed ``speedup`` is how many times better ours is: ``baseline / ours`` when lower
 is better, ``ours / baseline`` when higher is better (> 1 means ours wins either way).

@@ -238,7 +238,7 @@ class SeedResult:
     sft_s: float
     ours: Side
     trl: Side
-    trl_name: str = "TRL GRPOTrainer"
+    trl_name: str  # what TRL ran with, its version first (step.trl_baseline_name)
     eval_s: float = 0.0
 
 

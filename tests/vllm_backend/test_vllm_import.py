@@ -26,6 +26,28 @@ def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
     assert isinstance(info.value, ImportError)
 
 
+def test_a_folder_named_vllm_is_not_vllm(tmp_path, monkeypatch):
+    """A ``vllm`` folder on sys.path (what ``tests/vllm`` was under pytest without vLLM
+    installed) imports as an empty namespace package: neither check takes it for vLLM."""
+    from hybridrl.vllm_backend import VllmUnavailableError, vllm_available
+    from hybridrl.vllm_backend._import import import_vllm
+
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # import_vllm sets them: restored after
+    (tmp_path / "vllm").mkdir()
+    saved = sys.modules.pop("vllm", None)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    try:
+        assert not vllm_available()
+        with pytest.raises(VllmUnavailableError, match="folder on sys.path") as info:
+            import_vllm()
+        assert "\n" not in str(info.value)
+    finally:
+        sys.modules.pop("vllm", None)
+        if saved is not None:
+            sys.modules["vllm"] = saved
+
+
 def test_importing_the_backend_does_not_import_vllm():
     import subprocess
 
