@@ -115,6 +115,10 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
         return v4_model_config(cfg, ModelConfig)
     if _get(cfg, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by the rollout engine; set it to False")
+    act = _get(cfg, "hidden_act", "silu")
+    if act != "silu":  # the decoder's MLPs and experts are SwiGLU: silu(gate) * up
+        raise ValueError(f"hidden_act={act!r} in the {model_type} config is not supported by the rollout engine "
+                         "(its MLPs compute silu(gate) * up); only 'silu'")
     hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
     head_dim = _get(cfg, "head_dim") or hidden // heads
     attention_bias = bool(_get(cfg, "attention_bias", False))
@@ -144,9 +148,6 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
 
 def _moe_fields(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:
     """The MoE part of a Qwen3-MoE / Qwen2-MoE config, validated."""
-    act = _get(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported by the rollout engine's experts; only 'silu'")
     num_experts = int(_get(cfg, "num_experts", 0) or 0)
     top_k = int(_get(cfg, "num_experts_per_tok", 0) or 0)
     step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
