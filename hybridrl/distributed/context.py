@@ -70,8 +70,11 @@ def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
 
 def all_reduce_metrics(metrics: dict[str, float], *, summed: frozenset[str]) -> dict[str, float]:
     """Global metrics: keys in ``summed`` are added over ranks (already normalized by the
-    global batch), every other one is averaged (ranks hold equal numbers of rows)."""
+    global batch), extremes (``*_max`` / ``*_min``, ``algos/metrics.py``) take the max / min
+    over ranks, every other one is averaged (ranks hold equal numbers of rows)."""
     import zlib
+
+    from hybridrl.algos.metrics import extreme
 
     keys = sorted(metrics)
     world = dist.get_world_size()
@@ -83,7 +86,14 @@ def all_reduce_metrics(metrics: dict[str, float], *, summed: frozenset[str]) -> 
     if values[-1] != signature * world:
         raise RuntimeError("data-parallel ranks logged different metric keys this step; every rank must run "
                            "the same phases")
-    return {k: (v if k in summed else v / world) for k, v in zip(keys, values[:-1])}
+    out = {k: (v if k in summed else v / world) for k, v in zip(keys, values[:-1])}
+    for kind, op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):  # after the key check
+        picked = [k for k in keys if extreme(k) == kind]
+        if picked:
+            t = torch.tensor([float(metrics[k]) for k in picked], dtype=torch.float64, device=comm_device())
+            dist.all_reduce(t, op=op)
+            out.update(zip(picked, t.cpu().tolist()))
+    return out
 
 
 def all_gather_floats(values: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
+from hybridrl.algos.metrics import accumulate, is_extreme
 from hybridrl.config import AlgoConfig, Config, OptimConfig
 from hybridrl.trainer.balance_loss import router_load_balancing_loss
 from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprobs_entropy
@@ -133,11 +134,9 @@ class Actor:
             order = torch.randperm(n, generator=self.generator)
             for start in range(0, n, mini_batch_size):
                 idx = order[start:start + mini_batch_size]
-                metrics = self._mini_batch_step({k: v[idx] for k, v in batch.items()}, proximal_is_cap)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                accumulate(sums, self._mini_batch_step({k: v[idx] for k, v in batch.items()}, proximal_is_cap))
                 steps += 1
-        out = {k: v / max(steps, 1) for k, v in sums.items()}
+        out = {k: v if is_extreme(k) else v / max(steps, 1) for k, v in sums.items()}
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
@@ -198,6 +197,10 @@ class Actor:
                 diff = algos.agg_loss((log_prob.detach() - micro["rollout_log_prob"]).abs(), micro["response_mask"],
                                       **agg)
                 metrics["rollout/trainer_logprob_abs_diff"] = float(diff)
+                # the mean hides a few tokens off by a nat; the worst token is what a bound should see
+                inside = micro["response_mask"].bool()
+                metrics["rollout/trainer_logprob_abs_diff_max"] = float(
+                    (log_prob.detach() - micro["rollout_log_prob"]).abs()[inside].max()) if inside.any() else 0.0
             if kl.coef and kl.use_loss and "ref_log_prob" in micro:
                 kl_loss, _ = algos.compute_kl_loss(log_prob=log_prob, ref_log_prob=micro["ref_log_prob"],
                                                    response_mask=micro["response_mask"], kind=kl.estimator, **agg)
@@ -208,8 +211,7 @@ class Actor:
                 loss = loss + self.router_aux_loss_coef * aux * (w / total_w)  # this micro-batch's share
                 metrics["actor/router_aux_loss"] = float(aux.detach()) * w / total_w
             loss.backward()
-            for k, v in metrics.items():
-                acc[k] = acc.get(k, 0.0) + v
+            accumulate(acc, metrics)
         grad_norm = scalar(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                                           self.grad_clip))
         finite = math.isfinite(grad_norm)

@@ -71,3 +71,38 @@ def test_actor_gradient_equals_float64_reference(tmp_path, shared_prefix, mode):
     finally:
         run.step.scorer.close()
         run.directory.close()
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_the_worst_token_gap_is_reported_not_only_the_mean(tmp_path):
+    """``rollout/trainer_logprob_abs_diff`` is a token mean: a few tokens off by a nat hide in
+    it. ``..._max`` is the worst token: one token's sampling log-prob moved by 1 nat shows as
+    1 there (the engine and trainer agree to ~1e-6 elsewhere)."""
+    seed = random.randrange(1 << 20)
+    cfg = load_config(None, TINY_MODEL + [
+        f"trainer.seed={seed}", "warm_start.steps=0", "trainer.total_steps=1", "trainer.threads=1",
+        "data.train_size=50", "data.eval_size=4", "batch.prompts_per_step=4", "logging.tensorboard=false",
+        f"trainer.output_dir={tmp_path}", "checkpoint.save=false"])
+    run = build_run(cfg, console=lambda s: None)
+    try:
+        step, rng = run.step, random.Random(seed)
+        sb = step.sample(rng)
+        step.score(sb)
+        step.log_probs(sb)
+        step.advantages(sb)
+        step.corrections(sb)
+        batch = dict(sb.update_batch())
+        assert "rollout_log_prob" in batch
+        step.actor.optimizer.step = lambda *a, **k: None  # the same weights for both passes
+        clean = step.actor._mini_batch_step(dict(batch))
+        tokens = batch["response_mask"].bool().nonzero()
+        row, col = tokens[torch.randint(len(tokens), (1,))][0].tolist()
+        batch["rollout_log_prob"] = batch["rollout_log_prob"].clone()
+        batch["rollout_log_prob"][row, col] -= 1.0
+        moved = step.actor._mini_batch_step(dict(batch))
+        assert clean["rollout/trainer_logprob_abs_diff_max"] < 1e-4, (seed, clean)
+        assert abs(moved["rollout/trainer_logprob_abs_diff_max"] - 1.0) < 1e-3, (seed, moved)
+        assert moved["rollout/trainer_logprob_abs_diff"] < 0.5, (seed, moved)  # the mean hides it
+    finally:
+        run.step.scorer.close()
+        run.directory.close()
