@@ -111,8 +111,17 @@ def test_fp8_logprobs_and_greedy_match_the_trainer_within_fp8_tolerance(fp8_engi
     ro = fp8_engine.generate(prompts, SamplingParams(temperature=1.0, top_k=8, max_tokens=10, n=4, seed=3))
     with torch.no_grad():
         lp, _ = compute_logprobs_entropy(reference, ro.input_ids, ro.attention_mask, ro.response_mask)
-    gap = (lp - ro.logprobs)[ro.response_mask.bool()].abs()
-    assert gap.mean() < 0.1 and gap.max() < 0.5, (float(gap.mean()), float(gap.max()))
+    # a log-prob moves by at most twice the largest logit shift (|d(z_i - lse z)| <= 2 max |dz|):
+    # each sampled token's gap is bounded by twice the shift that activation quantization
+    # causes at its position on these weights, not by a constant from one machine's kernels
+    scored = ro.response_mask.bool() & ro.attention_mask.bool()
+    scored[:, 0] = False
+    for b in range(ro.input_ids.shape[0]):
+        n = int(ro.attention_mask[b].sum())
+        bound = 2 * activation_fp8_logit_error(reference, ro.input_ids[b, :n].tolist())[:n - 1]  # predicts t + 1
+        gap = (lp[b, 1:n] - ro.logprobs[b, 1:n]).abs()
+        inside = scored[b, 1:n]
+        assert (gap[inside] <= bound[inside]).all(), (b, gap[inside].tolist(), bound[inside].tolist())
     greedy = fp8_engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
     for p, toks in zip(prompts, greedy.response_token_ids):
         error = activation_fp8_logit_error(reference, list(p) + list(toks))
