@@ -111,6 +111,14 @@ def _plan(args: argparse.Namespace) -> int:
                        quantization=r.quantization, batch=min(cfg.batch.prompts_per_step * r.n // world or 1, 256),
                        seq_len=cfg.data.max_prompt_length + r.max_tokens, bucket_bytes=cfg.refit.bucket_mb << 20,
                        tensor_parallel_size=r.tensor_parallel_size)
+    if r.kv_cache_mb:  # the engine runs only the rows whose KV cache fits the budget
+        import dataclasses
+
+        from hybridrl.distributed.plan import kv_cache_bytes
+
+        row = kv_cache_bytes(hf_config, batch=1, seq_len=cfg.data.max_prompt_length + r.max_tokens, dtype=dtype,
+                             tensor_parallel_size=r.tensor_parallel_size)
+        plan = dataclasses.replace(plan, kv_cache=min(plan.kv_cache, (r.kv_cache_mb << 20) // row * row))
     print(plan.table(args.device_gib))
     return 0
 

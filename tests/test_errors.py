@@ -100,3 +100,19 @@ def test_multi_line_value_errors_print_as_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "_config", raises)
     assert _error(capsys, ["config"]) == "hybridrl: error: first line second line"
+
+
+def test_an_engine_too_big_for_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    """``rollout.max_tokens=100000`` on a 24 GB machine used to end in the kernel's OOM killer
+    (exit 137, nothing on the console): the engine's static memory is counted before any of it
+    is allocated. The figure is fixed here (a 22 GiB host), so the run is refused the same on
+    every machine and never allocates the ~25 GiB."""
+    import hybridrl.rollout.memory as memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (22 << 30, "MemAvailable on this host"))
+    line = _error(capsys, ["train", "rollout.max_tokens=100000", f"trainer.output_dir={tmp_path}"])
+    # 256 rows (32 prompts x 8 samples) x (longest prompt + 100000) x (1 KiB of KV + 20 bytes of buffers)
+    assert line.startswith("hybridrl: error: rollout.max_tokens=100000: the built-in engine's 256 rows x 1000"), line
+    assert " tokens needs 24.89 GiB (KV cache 24.42 GiB, row buffers 488.3 MiB, weights " in line
+    assert ") but 22.00 GiB is available (MemAvailable on this host); lower rollout.max_tokens to at most " in line
+    assert ", or set rollout.kv_cache_mb=" in line and "(batch.prompts_per_step, rollout.n)" in line

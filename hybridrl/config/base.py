@@ -35,7 +35,8 @@ def check_number(value: float | int | None, key: str, *, low: float | None = Non
     """Finite and within ``[low, high]`` (``(low, high]`` with ``low_open``); ``None`` passes."""
     if value is None:
         return
-    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    # an int is finite however large (math.isfinite would overflow converting it to a float)
+    ok = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
@@ -45,3 +46,11 @@ def check_number(value: float | int | None, key: str, *, low: float | None = Non
         hi = "" if high is None else f"<= {high}"
         bound = " and ".join(b for b in (lo, hi) if b) or "finite"
         raise ConfigError(f"{key}={value}: must be a finite number {bound}{'; ' + hint if hint else ''}")
+
+
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit seed; random.Random(-s) draws as Random(s) does
+
+
+def check_seed(value: int, key: str) -> None:
+    """A seed every generator takes as given: an integer in ``[0, 2**63)``."""
+    check_number(value, key, low=0, high=MAX_SEED, hint="a seed is an integer in 0 .. 2**63 - 1")

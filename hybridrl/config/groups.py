@@ -12,7 +12,7 @@ from typing import Any
 from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, PipelineConfig, RefitConfig,
                                  TrainerConfig, WarmStartConfig)
 from hybridrl.config.algo import AlgoConfig
-from hybridrl.config.base import ConfigError, _f, check_number
+from hybridrl.config.base import ConfigError, _f, check_number, check_seed
 
 MAX_RESPONSE_TOKENS = 1 << 17  # beyond any model's context today; a typo guard, not a model limit
 
@@ -142,6 +142,7 @@ class DataConfig:
         check_number(self.eval_size, "data.eval_size", low=0)
         check_number(self.max_prompt_length, "data.max_prompt_length", low=1)
         check_number(self.teacher_carry_slip, "data.teacher_carry_slip", low=0, high=1)
+        check_seed(self.seed, "data.seed")
 
 
 @dataclass(kw_only=True)
@@ -196,6 +197,9 @@ class RolloutConfig:
                                      "generation bounds the step; 0 = off")
     prefix_cache_mb: int = _f(256, "built-in engine: memory for retained conversation prefixes (multi-turn "
                                    "requests continue without re-prefill; least recently used evicted)")
+    kv_cache_mb: int = _f(0, "built-in engine: KV-cache budget in MiB; 0 = a row for every response of a step (up "
+                             "to 256), else only the rows whose cache fits (each holds a prompt + rollout.max_tokens) "
+                             "and the other responses wait for a free row")
     lora_mode: str = _f("adapter", "with model.lora: adapter (the engine keeps the base weights and applies the "
                                    "adapter; a refit sends A/B only) | merged (a refit sends W + scale*B*A of the "
                                    "targeted weights only; needed with quantized rollout weights)")
@@ -235,6 +239,10 @@ class RolloutConfig:
         check_number(self.max_prefill_tokens, "rollout.max_prefill_tokens", low=1)
         check_number(self.prefix_cache_mb, "rollout.prefix_cache_mb", low=0)
         check_number(self.tensor_parallel_size, "rollout.tensor_parallel_size", low=1)
+        check_number(self.kv_cache_mb, "rollout.kv_cache_mb", low=0)
+        if self.kv_cache_mb and (self.backend == "vllm" or self.exact):
+            raise ConfigError(f"rollout.kv_cache_mb={self.kv_cache_mb} sizes the built-in engine's static KV cache; "
+                              f"with rollout.{'backend=vllm' if self.backend == 'vllm' else 'exact'} leave it at 0")
         if self.lora_mode not in ("adapter", "merged"):
             raise ConfigError(f"rollout.lora_mode={self.lora_mode!r}: use adapter or merged")
         if self.free_cache_engine and self.backend != "vllm":
@@ -269,6 +277,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         check_number(self.k, "eval.k", low=0, high=1024)
         check_number(self.temperature, "eval.temperature", low=0, low_open=True)
+        check_seed(self.seed, "eval.seed")
 
 
 @dataclass(kw_only=True)
@@ -301,6 +310,7 @@ class EnvConfig:
         check_number(self.context_tokens, "env.context_tokens", low=16)
         check_number(self.timeout_s, "env.timeout_s", low=0, low_open=True)
         check_number(self.workers, "env.workers", low=1)
+        check_number(self.memory_limit_mb, "env.memory_limit_mb", low=1, hint="or null for no limit")
         check_number(self.discount, "env.discount", low=0, high=1)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridrl.config.base import ConfigError, _f, check_number
+from hybridrl.config.base import ConfigError, _f, check_number, check_seed
 
 
 @dataclass(kw_only=True)
@@ -64,6 +64,7 @@ class TrainerConfig:
         check_number(self.mismatch_report_every, "trainer.mismatch_report_every", low=0)
         for key in ("total_steps", "threads"):
             check_number(getattr(self, key), f"trainer.{key}", low=0)
+        check_seed(self.seed, "trainer.seed")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"trainer.device={self.device!r}: use cpu, cuda or cuda:N")
         check_number(self.max_nonfinite_steps, "trainer.max_nonfinite_steps", low=1)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridrl.rollout.memory import weight_bytes  # the engine's own count, also imported from here
+
 GiB = 1 << 30
 
 
@@ -73,40 +75,38 @@ def sharded_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None, tensor_parallel_size: int = 1) -> int:
     """Bytes of one rank's rollout-engine weights: the built-in engine's model built on the
-    meta device (no memory used) as tensor-parallel rank 0 (the largest share) of its group."""
+    meta device (no memory used) as tensor-parallel rank 0 (the largest share) of its group,
+    counted by the engine's own ``rollout/memory.py`` (what its build-time check counts)."""
     return weight_bytes(_meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size))
 
 
-def weight_bytes(engine_model: torch.nn.Module) -> int:
-    """An engine model's weight bytes: its parameters (codes and scales of quantized layers;
-    a tied head once) and its derived caches (dequantized FP8 / MXFP4 copies, MLA's absorbed
-    matrices). Positional tables (rope) are not weights and not counted."""
-    from hybridrl.rollout.derived import named_derived_caches
+def _rank0(tensor_parallel_size: int):
+    from hybridrl.rollout.layers.tensor_parallel import TensorParallel
 
-    tensors = [*engine_model.parameters(), *(c.tensor for _, c in named_derived_caches(engine_model))]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    T = tensor_parallel_size
+    return TensorParallel(0, T, group=object() if T > 1 else None)  # the group is never used
 
 
 def _meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size: int):
     from hybridrl.rollout.engine import build_model
-    from hybridrl.rollout.layers.tensor_parallel import TensorParallel
     from hybridrl.rollout.model_config import parse_hf_config
 
-    tp = TensorParallel(0, tensor_parallel_size, group=object() if tensor_parallel_size > 1 else None)  # never used
-    return build_model(parse_hf_config(hf_config), quantization, 2, dtype, torch.device("meta"), tp)
+    return build_model(parse_hf_config(hf_config), quantization, 2, dtype, torch.device("meta"),
+                       _rank0(tensor_parallel_size))
 
 
 def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """The engine's static cache for ``batch`` rows of ``seq_len`` (MLA: its latent, not per
-    head) on one rank; with tensor parallelism over that rank's KV heads (split, or one
-    replicated head; MLA's latent is whole on every rank)."""
-    from hybridrl.rollout.model_config import kv_bytes_per_token, parse_hf_config
+    head; DeepSeek-V4: its state) on one rank; with tensor parallelism over that rank's KV
+    heads (split, or one replicated head; MLA's latent is whole on every rank). The shapes
+    are the engine's own (``rollout/memory.py``)."""
+    from hybridrl.rollout.kv_cache import rank_kv_heads
+    from hybridrl.rollout.memory import EngineMemory
+    from hybridrl.rollout.model_config import parse_hf_config
 
-    per_token = kv_bytes_per_token(hf_config, torch.empty((), dtype=dtype).element_size())
-    cfg, T = parse_hf_config(hf_config), tensor_parallel_size
-    if T > 1 and cfg.mla is None and cfg.v4 is None:
-        per_token = per_token * max(cfg.num_kv_heads // T, 1) // cfg.num_kv_heads
-    return per_token * batch * seq_len
+    cfg = parse_hf_config(hf_config)
+    memory = EngineMemory(config=cfg, dtype=dtype, weights=0, kv_heads=rank_kv_heads(cfg, _rank0(tensor_parallel_size)))
+    return batch * memory.cache_row(seq_len)
 
 
 def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, engine_dtype: torch.dtype,

@@ -4,9 +4,14 @@ build the same engine."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hybridrl.config import Config
+
+if TYPE_CHECKING:
+    from hybridrl.rollout.memory import EngineMemoryError
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int,
@@ -22,8 +27,11 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
 
     tensor_parallel = tensor_parallel or SINGLE
     r, t = cfg.rollout, cfg.trainer
-    spec = EngineSpec(max_batch_size=min(cfg.batch.prompts_per_step * r.n // ranks * tensor_parallel.size, 256),
-                      max_seq_len=cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens, dtype=cfg.model.torch_dtype, device=device,
+    max_seq_len = cfg.env.context_tokens if cfg.env.name else longest_prompt + r.max_tokens
+    rows = min(cfg.batch.prompts_per_step * r.n // ranks * tensor_parallel.size, 256)
+    if r.kv_cache_mb:
+        rows = min(rows, _budget_rows(cfg, hf_config, max_seq_len, tensor_parallel))
+    spec = EngineSpec(max_batch_size=rows, max_seq_len=max_seq_len, dtype=cfg.model.torch_dtype, device=device,
                       quantization=r.quantization, lora=adapter_spec(lora, r.lora_mode))
     if r.exact:
         from hybridrl.exact.engine import ExactEngine
@@ -39,10 +47,54 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
                           free_cache_engine=r.free_cache_engine, kv_on_refit=r.kv_on_refit,
                           tensor_parallel=tensor_parallel if tensor_parallel.size > 1 else None)
     from hybridrl.rollout import RolloutEngine
+    from hybridrl.rollout.memory import EngineMemoryError
 
-    return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,
-                         kv_on_refit=r.kv_on_refit, max_prefill_tokens=r.max_prefill_tokens,
-                         prefix_cache_bytes=r.prefix_cache_mb << 20, tensor_parallel=tensor_parallel)
+    try:
+        return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,
+                             kv_on_refit=r.kv_on_refit, max_prefill_tokens=r.max_prefill_tokens,
+                             prefix_cache_bytes=r.prefix_cache_mb << 20, tensor_parallel=tensor_parallel)
+    except EngineMemoryError as e:  # the same refusal, in the config's keys
+        raise ValueError(_memory_message(cfg, e, longest_prompt)) from None
+
+
+def _seq_key(cfg: Config, longest_prompt: int) -> tuple[str, int, int]:
+    """(the key that sets the engine's row length, its value, the prompt tokens a row adds to it)."""
+    if cfg.env.name:
+        return "env.context_tokens", cfg.env.context_tokens, 0
+    return "rollout.max_tokens", cfg.rollout.max_tokens, longest_prompt
+
+
+def _budget_rows(cfg: Config, hf_config, max_seq_len: int, tensor_parallel) -> int:
+    """The engine rows whose KV cache fits ``rollout.kv_cache_mb`` (at least one, or a ValueError)."""
+    from hybridrl.rollout.kv_cache import rank_kv_heads
+    from hybridrl.rollout.memory import EngineMemory, gib
+    from hybridrl.rollout.model_config import parse_hf_config
+
+    config = parse_hf_config(hf_config)
+    row = EngineMemory(config=config, dtype=cfg.model.torch_dtype, weights=0,
+                       kv_heads=rank_kv_heads(config, tensor_parallel)).cache_row(max_seq_len)
+    mb = cfg.rollout.kv_cache_mb
+    if (mb << 20) < row:
+        key, value, _ = _seq_key(cfg, 0)
+        least = (row + (1 << 20) - 1) >> 20
+        raise ValueError(f"rollout.kv_cache_mb={mb} holds no engine row of {max_seq_len} tokens (one row's KV "
+                         f"cache is {gib(row)}); raise it to at least {least} or lower {key}={value}")
+    return (mb << 20) // row
+
+
+def _memory_message(cfg: Config, e: EngineMemoryError, longest_prompt: int) -> str:
+    """An ``EngineMemoryError`` as the one line a user acts on: the key, the bytes, the knobs."""
+    key, value, prompt = _seq_key(cfg, longest_prompt)
+    fixes = [f"lower {key} to at most {e.seq_len_fit - prompt}"] if e.seq_len_fit - prompt >= 1 else []
+    row = e.memory.cache_row(e.seq_len)
+    budget_mb = (e.rows_fit * row) >> 20
+    if budget_mb and (budget_mb << 20) >= row:
+        fixes.append(f"set rollout.kv_cache_mb={budget_mb} ({(budget_mb << 20) // row} rows at a time; the other "
+                     "responses wait for a free row)")
+    if e.rows_fit >= 1:
+        fixes.append("sample fewer responses per step (batch.prompts_per_step, rollout.n)")
+    todo = ", or ".join(fixes) if fixes else "not one row fits: free memory, or use a smaller model or quantization"
+    return f"{key}={value}: the built-in engine's {e.rows} rows x {e.seq_len} tokens {e.needs()}; {todo}"
 
 
 def adapter_spec(lora, mode: str):

@@ -25,6 +25,7 @@ from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_req
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.layers.quantization import get_linear_method
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
+from hybridrl.rollout.memory import EngineMemory, check_fits
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
@@ -73,6 +74,12 @@ class RolloutEngine(WeightUpdateBracket):
         self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
         self.tensor_parallel = tensor_parallel
+        # Count the static memory before allocating any (weights on the meta device, the cache
+        # and row buffers from their shapes): too much is a one-line error, not the OOM killer.
+        meta_model = build_model(self.config, spec.quantization, 2, self.dtype, torch.device("meta"), tensor_parallel)
+        self.memory = EngineMemory.of(spec, self.config, meta_model, tensor_parallel=tensor_parallel,
+                                      record_routing=record_routing)
+        check_fits(self.memory, self.max_batch_size, self.max_seq_len, self.device)
         self.model = build_model(self.config, spec.quantization, self.max_seq_len, self.dtype, self.device,
                                  tensor_parallel)
         # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).

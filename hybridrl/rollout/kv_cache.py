@@ -16,7 +16,22 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.rollout.layers.tensor_parallel import TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
+
+
+def cache_shapes(cfg: ModelConfig, max_batch_size: int, max_seq_len: int,
+                 kv_heads: int | None = None) -> list[tuple[int, ...]]:
+    """The shape of each ``KVCache`` tensor, ``[num_layers, rows, heads, slots, width]`` (what
+    ``rollout/memory.py`` counts before anything is allocated)."""
+    return [(cfg.num_layers, max_batch_size, kv_heads if (kv_heads and name in ("k", "v")) else heads,
+             max_seq_len, width) for name, heads, width in cfg.kv_layout]
+
+
+def rank_kv_heads(cfg: ModelConfig, tp: TensorParallel) -> int | None:
+    """The KV heads this rank's cache holds under tensor parallelism (None: all of them;
+    MLA's latent is whole on every rank)."""
+    return None if cfg.mla is not None or tp.size == 1 else tp.kv_heads(cfg.num_kv_heads)[1]
 
 
 class KVCache:
@@ -28,11 +43,9 @@ class KVCache:
                  device: torch.device, kv_heads: int | None = None):
         """``kv_heads``: the KV heads this rank holds under tensor parallelism (default: all)."""
         self.names = tuple(name for name, _, _ in cfg.kv_layout)
-        layout = [(name, kv_heads if (kv_heads and name in ("k", "v")) else heads, width)
-                  for name, heads, width in cfg.kv_layout]
         # zeros, not empty: a padded CUDA-graph row may read slots nobody wrote; keep them finite.
-        self.tensors = tuple(torch.zeros((cfg.num_layers, max_batch_size, heads, max_seq_len, width),
-                                         dtype=dtype, device=device) for _, heads, width in layout)
+        self.tensors = tuple(torch.zeros(shape, dtype=dtype, device=device)
+                             for shape in cache_shapes(cfg, max_batch_size, max_seq_len, kv_heads))
         for name, t in zip(self.names, self.tensors):
             setattr(self, name, t)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len

@@ -10,7 +10,7 @@ import torch
 
 from hybridrl.attention.masks import sdpa_mask
 from hybridrl.rollout.cuda_graph import CudaGraphRunner
-from hybridrl.rollout.kv_cache import KVCache
+from hybridrl.rollout.kv_cache import KVCache, rank_kv_heads
 from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.attention import ForwardContext
 from hybridrl.rollout.models.decoder import DecoderForCausalLM
@@ -27,9 +27,8 @@ class ModelRunner:
 
             self.kv_cache = V4StateCache(model.config.v4, max_batch_size, max_seq_len, dtype, device)
         else:
-            tp, cfg = model.tp, model.config  # tensor parallel: this rank's KV heads (MLA's latent is whole)
-            kv_heads = None if cfg.mla is not None or tp.size == 1 else tp.kv_heads(cfg.num_kv_heads)[1]
-            self.kv_cache = KVCache(cfg, max_batch_size, max_seq_len, dtype, device, kv_heads=kv_heads)
+            self.kv_cache = KVCache(model.config, max_batch_size, max_seq_len, dtype, device,
+                                    kv_heads=rank_kv_heads(model.config, model.tp))
         self.rows = torch.arange(max_batch_size, device=device)  # decode cache rows, static
         self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
         self.graphs: CudaGraphRunner | None = None

@@ -138,6 +138,13 @@ def moe_blocks(model: torch.nn.Module) -> list[RoutingTap]:
     return [m for m in model.modules() if isinstance(m, RoutingTap) and m.records_routing]
 
 
+def record_row_bytes(model: torch.nn.Module, max_seq_len: int) -> int:
+    """Bytes one row of the ``RoutingRecorder`` record takes: ``max_seq_len x MoE layers x k``."""
+    blocks = moe_blocks(model)
+    k = blocks[0].top_k if blocks else 0
+    return max_seq_len * len(blocks) * k * torch.empty((), dtype=ROUTING_DTYPE).element_size()
+
+
 def enable_routing_record(engine) -> RoutingRecorder:
     """Attach a ``RoutingRecorder`` to ``engine`` (idempotent). On CUDA call it before the first
     complete weight update: the decode graphs are captured then and must contain the copies."""

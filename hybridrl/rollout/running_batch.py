@@ -67,8 +67,17 @@ class Sequence:
         return out
 
 
+SLOT_DTYPES = (torch.float64, torch.long, torch.float32)
+"""the per-slot buffers ``[max_rows, max_seq_len]``: ``uniforms``, ``out_tokens``, ``out_logprobs``."""
+
+
 class RunningBatch:
     """Device buffers ``[max_rows, ...]`` of the running rows and the ops on them."""
+
+    @staticmethod
+    def row_bytes(max_seq_len: int) -> int:
+        """Bytes one row takes in the per-slot buffers (its per-row scalars are a few dozen more)."""
+        return max_seq_len * sum(torch.empty((), dtype=d).element_size() for d in SLOT_DTYPES)
 
     def __init__(self, max_rows: int, max_seq_len: int, vocab_size: int, device: torch.device):
         M, L, dev = max_rows, max_seq_len, device
@@ -82,9 +91,8 @@ class RunningBatch:
         self.temperature = torch.zeros(M, 1, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(M, 1, dtype=torch.long, device=dev)
         self.top_p = torch.ones(M, 1, dtype=torch.float32, device=dev)
-        self.uniforms = torch.zeros(M, L, dtype=torch.float64, device=dev)
-        self.out_tokens = torch.zeros(M, L, dtype=torch.long, device=dev)
-        self.out_logprobs = torch.zeros(M, L, dtype=torch.float32, device=dev)
+        self.uniforms, self.out_tokens, self.out_logprobs = (torch.zeros(M, L, dtype=d, device=dev)
+                                                              for d in SLOT_DTYPES)
         self.arange = torch.arange(M, device=dev)
         self.host_positions = np.zeros(M, dtype=np.int64)  # mirror of `positions`: no sync for kv_len
         self._row_buffers = [self.tokens, self.positions, self.counts, self.max_new, self.stop_ids,

@@ -30,21 +30,10 @@ class V4StateCache:
 
     def __init__(self, dims: V4Dims, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device):
-        D, DI, W = dims.head_dim, dims.index_head_dim, dims.sliding_window
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for kind in dims.layer_types:
-            z = lambda *shape, fill=0.0: torch.full((max_batch_size, *shape), fill, dtype=dtype, device=device)  # noqa: E731
-            state = {"swa": z(W, D)}
-            if kind == "heavily_compressed_attention":
-                M = dims.hca_rate
-                state.update(comp=z(max_seq_len // M + 1, D), raw_kv=z(M, D), raw_gate=z(M, D))
-            elif kind == "compressed_sparse_attention":
-                m = dims.csa_rate
-                state.update(comp=z(max_seq_len // m + 1, D), raw_kv=z(2 * m, 2 * D), raw_gate=z(2 * m, 2 * D),
-                             index=z(max_seq_len // m + 1, DI), index_raw_kv=z(2 * m, 2 * DI),
-                             index_raw_gate=z(2 * m, 2 * DI))
-            self.layers.append(state)
+        self.layers: list[dict[str, torch.Tensor]] = [
+            {name: torch.zeros((max_batch_size, *shape), dtype=dtype, device=device) for name, shape in row.items()}
+            for row in state_shapes(dims, max_seq_len)]
         self.dims = dims
 
     @property
@@ -83,6 +72,24 @@ class V4StateCache:
         for i, state in enumerate(self.layers):
             for name, t in state.items():
                 yield f"kv_cache.layers.{i}.{name}", t
+
+
+def state_shapes(dims: V4Dims, max_seq_len: int) -> list[dict[str, tuple[int, ...]]]:
+    """Per layer, the shape of one row of each state tensor (the cache holds ``max_batch_size``
+    rows of each; what ``rollout/memory.py`` counts before anything is allocated)."""
+    D, DI, W = dims.head_dim, dims.index_head_dim, dims.sliding_window
+    shapes = []
+    for kind in dims.layer_types:
+        row = {"swa": (W, D)}
+        if kind == "heavily_compressed_attention":
+            M = dims.hca_rate
+            row.update(comp=(max_seq_len // M + 1, D), raw_kv=(M, D), raw_gate=(M, D))
+        elif kind == "compressed_sparse_attention":
+            m = dims.csa_rate
+            row.update(comp=(max_seq_len // m + 1, D), raw_kv=(2 * m, 2 * D), raw_gate=(2 * m, 2 * D),
+                       index=(max_seq_len // m + 1, DI), index_raw_kv=(2 * m, 2 * DI), index_raw_gate=(2 * m, 2 * DI))
+        shapes.append(row)
+    return shapes
 
 
 def ring_positions(last: torch.Tensor, size: int) -> torch.Tensor:

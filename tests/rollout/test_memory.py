@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
@@ -101,3 +102,104 @@ def test_padded_logits_mask_is_built_at_the_memory_floor(monkeypatch):
     left[0, :3] = 0
     engine.logits(ids, left)
     assert calls == [(2, 9)]
+
+
+# ---- the build-time check (rollout/memory.py): too big is one line, before allocating ----------------
+
+def _allocated(engine) -> tuple[int, int, int]:
+    """(weights, KV cache, per-slot row buffers + routing record) bytes the engine really holds."""
+    from hybridrl.rollout.memory import weight_bytes
+
+    kv = sum(t.numel() * t.element_size() for _, t in engine.runner.kv_cache.named_tensors())
+    b = engine.scheduler.batch
+    rows = [b.uniforms, b.out_tokens, b.out_logprobs]
+    if engine.routing_recorder is not None:
+        rows.append(engine.routing_recorder.record)
+    return weight_bytes(engine.model), kv, sum(t.numel() * t.element_size() for t in rows)
+
+
+def _deepseek_v4_config():
+    import random
+
+    from tests.rollout._deepseek_v4 import draw_config
+
+    return draw_config(random.Random(0))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "deepseek_v4"])
+def test_counted_footprint_is_what_the_engine_allocates(family):
+    """The check counts from shapes and a meta-device model what the build then allocates."""
+    from tests.rollout._deepseek import config as deepseek_v3_config
+
+    cfg = {"deepseek_v3": deepseek_v3_config, "deepseek_v4": _deepseek_v4_config}.get(
+        family, lambda: make_config(family))()
+    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=3, max_seq_len=40), record_routing=family == "deepseek_v3")
+    m = engine.memory
+    assert _allocated(engine) == (m.weights, 3 * m.cache_row(40), 3 * m.buffers_row(40))
+    assert m.total(3, 40) == sum(_allocated(engine))
+
+
+def test_an_engine_that_cannot_fit_refuses_in_one_line_before_allocating(monkeypatch):
+    import hybridrl.rollout.engine as engine_module
+    import hybridrl.rollout.memory as memory
+    import hybridrl.rollout.model_runner as model_runner
+    from hybridrl.rollout.memory import EngineMemoryError
+
+    built = []
+    real_build = engine_module.build_model
+    monkeypatch.setattr(engine_module, "build_model", lambda *a, **k: built.append(a[4]) or real_build(*a, **k))
+    monkeypatch.setattr(model_runner, "KVCache", lambda *a, **k: pytest.fail("the KV cache was allocated"))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (64 << 20, "test's figure"))
+    with pytest.raises(EngineMemoryError) as e:
+        RolloutEngine(make_config("qwen2"), EngineSpec(max_batch_size=64, max_seq_len=8192))
+    assert built == [torch.device("meta")]  # only the meta-device count: no weights, no cache
+    msg = str(e.value)
+    # 64 rows x 8192 slots x (2 layers x k, v x 2 heads x 16 x 4 bytes KV + 20 bytes of row buffers)
+    assert msg.startswith("RolloutEngine: max_batch_size=64 x max_seq_len=8192 needs 266.3 MiB (KV cache 256.0 MiB, "
+                          "row buffers 10.0 MiB, weights 0.3 MiB) "), msg
+    assert msg.endswith("but 64.0 MiB is available (test's figure); lower max_seq_len to at most 1962 or "
+                        "max_batch_size to at most 15") and "\n" not in msg
+    assert e.value.rows_fit == 15 and e.value.seq_len_fit == 1962
+    m = e.value.memory  # the suggestions are the largest that fit
+    assert m.total(15, 8192) <= 64 << 20 < m.total(16, 8192)
+    assert m.total(64, 1962) <= 64 << 20 < m.total(64, 1963)
+
+
+def test_a_size_beyond_any_machine_refuses_on_the_real_figure():
+    """No patched figure: a cache of ~10^8 GiB cannot fit anywhere, and nothing of it is allocated
+    (not even the O(max_seq_len) rope tables, tens of TB here: they come after the check)."""
+    from hybridrl.rollout.memory import EngineMemoryError
+
+    with pytest.raises(EngineMemoryError, match=r"max_seq_len=1000000000000 needs [\d.]+ GiB .* is available \("):
+        RolloutEngine(make_config("llama"), EngineSpec(max_batch_size=256, max_seq_len=10**12))
+
+
+def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path):
+    from hybridrl.rollout.memory import available_bytes, cgroup_headroom, meminfo_available
+
+    (tmp_path / "meminfo").write_text("MemTotal:  1000 kB\nMemAvailable:     512 kB\n")
+    assert meminfo_available(str(tmp_path / "meminfo")) == 512 * 1024
+    assert meminfo_available(str(tmp_path / "missing")) is None
+    # cgroup v2: the least headroom over the group and its ancestors; inactive file cache is reclaimable
+    v2, proc = tmp_path / "v2", tmp_path / "cgroup"
+    (v2 / "a" / "b").mkdir(parents=True)
+    for d, limit, current, inactive in ((v2 / "a", 1 << 30, 600 << 20, 100 << 20), (v2 / "a" / "b", "max", 5, 0)):
+        (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.current").write_text(f"{current}\n")
+        (d / "memory.stat").write_text(f"anon 1\ninactive_file {inactive}\n")
+    proc.write_text("0::/a/b\n")
+    assert cgroup_headroom(str(proc), str(v2)) == (1 << 30) - (500 << 20)
+    # cgroup v1 (hybrid hosts): the memory controller's hierarchical limit
+    v1 = tmp_path / "v1" / "memory" / "x"
+    v1.mkdir(parents=True)
+    (v1 / "memory.usage_in_bytes").write_text(str(300 << 20))
+    (v1 / "memory.limit_in_bytes").write_text(str(1 << 62))
+    (v1 / "memory.stat").write_text(f"hierarchical_memory_limit {256 << 20}\ntotal_inactive_file {100 << 20}\n")
+    proc.write_text("4:memory:/x\n0::/\n")
+    assert cgroup_headroom(str(proc), str(tmp_path / "v1")) == 56 << 20
+    (v1 / "memory.stat").write_text(f"hierarchical_memory_limit {(1 << 63) - 4096}\n")
+    assert cgroup_headroom(str(proc), str(tmp_path / "v1")) is None  # no limit
+    assert cgroup_headroom(str(tmp_path / "missing")) is None
+    n, source = available_bytes(torch.device("cpu"))
+    assert n > 0 and source
+    assert available_bytes(torch.device("meta")) is None
