@@ -46,6 +46,21 @@ def _engine(lora, mode: str, quantization=None) -> RolloutEngine:
     return engine
 
 
+def _adapter_step(lora, seed: int) -> None:
+    """An optimizer-like step: every adapter matrix (A and B) moves, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora.layers.values():
+            for part in (layer.lora_A, layer.lora_B):
+                w = part["default"].weight
+                w.add_(torch.randn(w.shape, generator=g) * 0.1)
+
+
+def _held(engine, names) -> dict[str, torch.Tensor]:
+    """What the engine holds for each HF name now (FP8: the dequantization), copied."""
+    return {n: engine.weight_routes[n].held().clone() for n in names}
+
+
 def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     """Mixed lengths: arithmetic prompts of 1..4-digit operands."""
     out = []
@@ -108,12 +123,20 @@ def test_reference_under_disable_adapter_is_the_separately_loaded_base(arch, tmp
 
 
 def test_adapter_refit_sends_only_the_adapters_and_a_stale_adapter_fails_the_verifier(monkeypatch):
-    _, lora = _policy("qwen2", seed=random.randrange(1 << 16))
+    seed = random.randrange(1 << 16)
+    _, lora = _policy("qwen2", seed=seed)
     engine = _engine(lora, "adapter")
     full = sum(t.numel() * t.element_size() for _, t in lora.refit_tensors("adapter", full=True))
+    before = _held(engine, [n for n, _ in lora.adapter_tensors()])
+    _adapter_step(lora, seed + 2)  # new adapters: a refit that writes nothing cannot pass below
+    sent = lora.adapter_tensors()
     stats = refit_from_model(engine, lora.refit_tensors("adapter", full=False), verify=True, partial=True)
-    assert stats.bytes_moved == sum(t.numel() * t.element_size() for _, t in lora.adapter_tensors()) < full / 5
+    assert stats.bytes_moved == sum(t.numel() * t.element_size() for _, t in sent) < full / 5
     assert engine.weight_version == 2
+    for name, t in sent:
+        held = engine.weight_routes[name].held()
+        assert torch.equal(held, t.to(held.dtype)), f"{name}: the engine holds not the sent adapter (seed {seed})"
+        assert not torch.equal(held, before[name]), f"{name}: unchanged by the refit (seed {seed})"
     # an adapter left in place (its loader writes nothing) is caught: version unchanged
     adapter = engine.model.model.layers[0].self_attn.qkv_proj.adapter
     monkeypatch.setattr(adapter.lora_B, "weight_loader", lambda p, w, shard_id: None)
@@ -135,14 +158,98 @@ def test_adapter_refit_sends_only_the_adapters_and_a_stale_adapter_fails_the_ver
 
 
 def test_merged_refit_requantizes_fp8_rollout_weights():
-    _, lora = _policy("qwen2", seed=random.randrange(1 << 16))
+    """After a training step the merged refit must write W + scale·B·A *of the new adapters*,
+    re-quantized: every targeted weight the engine holds is then exactly dequant(quant(new
+    merged W)) — what ``expected_held`` computes from the sent tensor — and differs from what
+    it held before; and the engine samples with exactly those weights."""
+    seed = random.randrange(1 << 16)
+    _, lora = _policy("qwen2", seed=seed)
     engine = _engine(lora, "merged", quantization="fp8")
+    routes = engine.weight_routes
+    before = _held(engine, [n for n, _ in lora.merged_tensors()])
+    _adapter_step(lora, seed + 2)
+    merged = lora.merged_tensors()
+    want = {n: routes[n].expected_held(t) for n, t in merged}  # the new merged weight through FP8
+    unchanged = [n for n, w in want.items() if torch.equal(w, before[n])]
+    assert not unchanged, f"precondition: the step is lost in FP8 rounding for {unchanged} (seed {seed})"
     stats = refit_from_model(engine, lora.refit_tensors("merged", full=False), verify=True, partial=True)
     assert stats.num_tensors == len(lora.targets)
-    ro = engine.generate(_prompts(random.Random(0), 4), SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3))
-    trainer, _ = logprobs_in_microbatches(lora.model, ro.input_ids, ro.attention_mask, ro.response_mask,
-                                          temperature=1.0, max_tokens=4096)
-    assert ((trainer - ro.logprobs).abs() * ro.response_mask).max() < 0.5  # FP8 error, not a stale weight
+    for name in want:
+        assert torch.equal(routes[name].held(), want[name]), \
+            f"{name}: the engine holds not the new merged FP8 weight (seed {seed})"
+    # it samples with them: log-probs equal the merged model whose linear weights are the
+    # engine's FP8 dequantization (the exact path; the bound is fp32 rounding, as above)
+    ro = engine.generate(_prompts(random.Random(seed), 4), SamplingParams(temperature=1.0, max_tokens=6, n=2,
+                                                                          seed=seed))
+    reference = lora.merged_copy()
+    params = dict(reference.named_parameters())
+    with torch.no_grad():
+        for route in routes:
+            if route.layer is not None:  # an FP8 linear weight: held() is its dequantization
+                params[route.hf_name].copy_(route.held())
+    expected, _ = logprobs_in_microbatches(reference, ro.input_ids, ro.attention_mask, ro.response_mask,
+                                           temperature=1.0, max_tokens=4096)
+    gap = ((expected - ro.logprobs).abs() * ro.response_mask).max()
+    assert gap <= 1e-5, f"max |engine - FP8-weight model| log-prob {float(gap):.2e} (seed {seed})"
+
+
+def test_the_optimizer_holds_state_for_the_adapters_alone(tmp_path):
+    """docs/lora.md: "Only the adapters require grad; AdamW holds state for them alone" (no
+    ``modules_to_save``: nothing else trains). Built as the job builds it (``build_run`` with
+    ``model.lora.rank > 0``, then its warm start, which trains the *base* with the adapters
+    off), one actor update: the optimizer's groups and state are exactly the lora_A / lora_B
+    weights, and the base is bitwise unchanged while the adapters moved."""
+    from hybridrl.config.io import load_config
+    from hybridrl.job.build import build_run
+    from hybridrl.job.loop import warm_start
+    from hybridrl.lora.policy import is_adapter
+    from tests.trainer._tiny import TINY_MODEL
+
+    seed = random.randrange(1 << 20)
+    cfg = load_config(None, TINY_MODEL + [
+        "model.lora.rank=4", f"trainer.seed={seed}", "warm_start.steps=2", "trainer.threads=1",
+        "data.train_size=64", "data.eval_size=8", "logging.tensorboard=false", f"trainer.output_dir={tmp_path}",
+        "checkpoint.save=false"])
+    run = build_run(cfg, console=lambda s: None)
+    try:
+        warm_start(run, cfg)  # the base trains here (its own optimizer), then is frozen again
+        actor, lora = run.step.actor, run.lora
+        names = {id(p): n for n, p in actor.model.named_parameters()}
+        adapters = {id(part["default"].weight) for layer in lora.layers.values()
+                    for part in (layer.lora_A, layer.lora_B)}
+        assert len(adapters) == 2 * len(lora.targets) and all(is_adapter(names[i]) for i in adapters)
+        trainable = {names[id(p)] for p in actor.model.parameters() if p.requires_grad}
+        assert trainable == {names[i] for i in adapters}, f"trainable besides the adapters (seed {seed})"
+        grouped = [id(p) for g in actor.optimizer.param_groups for p in g["params"]]
+        assert len(grouped) == len(set(grouped)) and set(grouped) == adapters, \
+            (f"optimizer groups: {sorted(names[i] for i in set(grouped) - adapters)[:3]} beyond the adapters, "
+             f"{sorted(names[i] for i in adapters - set(grouped))[:3]} missing (seed {seed})")
+        base = {n: p.detach().clone() for n, p in actor.model.named_parameters() if id(p) not in adapters}
+        before = {i: actor.model.get_parameter(names[i]).detach().clone() for i in adapters}
+        step, rng = run.step, random.Random(seed)
+        sb = step.sample(rng)
+        step.score(sb)
+        step.log_probs(sb)
+        step.advantages(sb)
+        step.corrections(sb)
+        # a tiny policy often scores all-zero (no gradient); the update does not care where the
+        # advantages come from: a fresh random one per row over its response
+        mask = sb.loss_mask
+        sb.tensors["advantages"] = torch.randn(mask.shape[0], 1, dtype=torch.float64).float() * mask
+        step.update(sb)
+        held = {id(p): s for p, s in actor.optimizer.state.items()}
+        assert set(held) == adapters, (f"optimizer state for {sorted(names[i] for i in set(held) - adapters)[:3]}"
+                                       f" beyond the adapters (seed {seed})")
+        for i, state in held.items():
+            p = actor.model.get_parameter(names[i])
+            assert state["exp_avg"].shape == state["exp_avg_sq"].shape == p.shape, names[i]
+        params = dict(actor.model.named_parameters())
+        moved = [n for n, t in base.items() if not torch.equal(params[n], t)]
+        assert not moved, f"base weights changed by the actor's step: {moved[:3]} (seed {seed})"
+        assert any(not torch.equal(params[names[i]], before[i]) for i in adapters), f"no adapter moved (seed {seed})"
+    finally:
+        run.step.scorer.close()
+        run.directory.close()
 
 
 def test_bad_lora_settings_are_one_line_errors():

@@ -1,4 +1,5 @@
 """Refit into a real RolloutEngine against a fresh transformers model with the same weights."""
+import _seeds
 import pytest
 import torch
 
@@ -85,20 +86,35 @@ def test_fp8_refits(quant, make_cfg, fnuz, monkeypatch):
         assert rel < FP8_REL_LOGIT_ERR
 
 
+def _scales(eng) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in eng.model.named_parameters() if n.endswith("weight_scale")}
+
+
 def test_fp8_scale_does_not_drift_over_refits_of_same_weights(monkeypatch):
-    """The 'scale doubled on every sync' bug: re-sending identical weights is a fixed point."""
+    """The 'scale doubled on every sync' bug: re-sending identical weights is a fixed point.
+    Identical weights alone cannot tell that from a refit that writes nothing, so a refit of
+    other weights in between must change every scale, and re-sending the first weights must
+    then restore them exactly."""
     monkeypatch.setattr(fp8_linear, "FNUZ_DEFAULT", True)
+    seed = _seeds.fresh_seed()
     cfg = qwen2_config()
-    hf, eng = hf_model(cfg), engine(cfg, "fp8")
+    hf, eng = hf_model(cfg, seed), engine(cfg, "fp8")
     refit_from_model(eng, hf)
-    scales = {n: t.clone() for n, t in eng.model.named_parameters() if n.endswith("weight_scale")}
+    scales = _scales(eng)
     for _ in range(2):
         refit_from_model(eng, hf, verify=True)
         # plain engine.load_weights (the first-load path) is a refit too
         eng.load_weights(hf.named_parameters())
-    for n, t in eng.model.named_parameters():
-        if n.endswith("weight_scale"):
-            assert torch.equal(t, scales[n]), n
+    for n, t in _scales(eng).items():
+        assert torch.equal(t, scales[n]), f"{n} drifted over refits of the same weights (seed {seed})"
+    other = hf_model(cfg, seed)
+    perturb(other, seed + 1)
+    refit_from_model(eng, other, verify=True)
+    same = [n for n, t in _scales(eng).items() if torch.equal(t, scales[n])]
+    assert not same, f"other weights left these scales unchanged: {same[:3]} (seed {seed})"
+    refit_from_model(eng, hf, verify=True)
+    for n, t in _scales(eng).items():
+        assert torch.equal(t, scales[n]), f"{n}: re-sending the first weights did not restore it (seed {seed})"
 
 
 def test_context_manager_session_and_version_in_rollouts():
