@@ -84,13 +84,18 @@ def test_adapter_refits_match_the_peft_model(lora_engine, tiny_checkpoint):
 
 
 def test_a_base_only_refit_keeps_the_adapter(lora_engine, tiny_checkpoint):
-    """vLLM's reload drops every adapter; a refit of base weights alone registers the current
-    one again: the log-probs stay the peft model's, the adapter id unchanged."""
+    """vLLM's reload drops every adapter; a refit of (changed) base weights alone registers the
+    current one again: the log-probs are the peft model's with the new base, the adapter id unchanged."""
     engine, lora = lora_engine
     _, tok, _ = tiny_checkpoint
     _draw_b(lora, seed=random.randrange(1 << 16))
     _adapter_refit(engine, lora)
     lora_id = engine.lora_request.lora_int_id
+    g = torch.Generator().manual_seed(random.randrange(1 << 16))
+    with torch.no_grad():  # a base that changed: a refit that writes nothing would keep the old one
+        for name, p in lora.model.named_parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.mul_(1 + 0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     refit_from_model(engine, lora.base_tensors(), verify=True, partial=True)
     assert engine.lora_request.lora_int_id == lora_id and engine.llm.llm_engine.list_loras() == {lora_id}
     ro = engine.generate(encode(tok), SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=5))
