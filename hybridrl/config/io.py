@@ -86,7 +86,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             try:
                 return _coerce(value, a, key)
             except ConfigError as e:
-                errors.append(str(e))
+                if isinstance(value, (list, tuple)) and typing.get_origin(a) is list:
+                    errors.insert(0, str(e))  # a list: the list branch's error says what is wrong inside it
+                else:
+                    errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
     if origin is list:
         if isinstance(value, str):
@@ -102,9 +105,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise ConfigError(f"{key}={value!r}: expected an integer")
+    if origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+        raise ConfigError(f"{key}={value!r:.80}: expected a mapping of names to values, e.g. {{name: x, weight: 1}}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int beyond the float range (a YAML 9999...9)
+                raise ConfigError(f"{key}: a {len(str(abs(value)))}-digit integer is beyond the float range; "
+                                  "give a finite number") from None
         if isinstance(value, str):
             try:
                 return float(value)

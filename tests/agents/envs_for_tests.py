@@ -179,3 +179,24 @@ def parse_call_lines(text: str) -> ParsedTurn:
         else:
             rest.append(line)
     return ParsedTurn(calls, "\n".join(rest).strip())
+
+
+class Scripted:
+    """An environment that plays the script in its row's answer for each episode of the group:
+    ``answer["rewards"][j]`` the turn rewards of episode ``j`` (done after the last turn),
+    ``answer["fail"][j]``: 0 = raise on reset, k >= 1 = raise on step k. ``row["episode"]`` is
+    ``j``, the episode's index in its group (the test's pool wrapper adds it)."""
+
+    def reset(self, row: dict) -> list[dict]:
+        j = row["episode"]
+        self.rewards, self.fail, self.turns = row["answer"]["rewards"][j], row["answer"]["fail"].get(j), 0
+        if self.fail == 0:
+            raise RuntimeError("reset failed on purpose")
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, assistant_message: str):
+        self.turns += 1
+        if self.fail == self.turns:
+            raise ValueError("step failed on purpose")
+        done = self.turns == len(self.rewards)
+        return [] if done else [{"role": "user", "content": "go on"}], self.rewards[self.turns - 1], done, {}
