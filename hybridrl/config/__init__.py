@@ -11,8 +11,9 @@ Reading YAML and dotted overrides: ``hybridrl/config/io.py``.
 from hybridrl.config.algo import (AdvantageConfig, AlgoConfig, CorrectionConfig, DapoConfig, KLConfig,
                                   PolicyLossConfig, ValueConfig)
 from hybridrl.config.base import ConfigError
-from hybridrl.config.groups import (GROUPS, Config, DataConfig, EvalConfig, LoggingConfig, LoRAConfig, ModelConfig, OptimConfig,
-                                    RewardConfig, RolloutConfig)
+from hybridrl.config.groups import (GROUPS, Config, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RewardConfig,
+                                    RolloutConfig)
+from hybridrl.config.model import LoRAConfig, ModelConfig
 from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, PipelineConfig, RefitConfig,
                                  TrainerConfig, WarmStartConfig)
 from hybridrl.config.presets import PRESETS
