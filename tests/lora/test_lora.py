@@ -15,6 +15,7 @@ from hybridrl.config.base import ConfigError
 from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
 from hybridrl.lora import apply_lora
 from hybridrl.refit import RefitError, refit_from_model
+from tests.trainer._tiny import sampled_batch
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.rollout.layers.lora_adapter import AdapterSpec
 from hybridrl.trainer.logprobs import logprobs_in_microbatches
@@ -226,17 +227,8 @@ def test_the_optimizer_holds_state_for_the_adapters_alone(tmp_path):
              f"{sorted(names[i] for i in adapters - set(grouped))[:3]} missing (seed {seed})")
         base = {n: p.detach().clone() for n, p in actor.model.named_parameters() if id(p) not in adapters}
         before = {i: actor.model.get_parameter(names[i]).detach().clone() for i in adapters}
-        step, rng = run.step, random.Random(seed)
-        sb = step.sample(rng)
-        step.score(sb)
-        step.log_probs(sb)
-        step.advantages(sb)
-        step.corrections(sb)
-        # a tiny policy often scores all-zero (no gradient); the update does not care where the
-        # advantages come from: a fresh random one per row over its response
-        mask = sb.loss_mask
-        sb.tensors["advantages"] = torch.randn(mask.shape[0], 1, dtype=torch.float64).float() * mask
-        step.update(sb)
+        step = run.step
+        step.update(sampled_batch(step, seed, random_advantages=True))
         held = {id(p): s for p, s in actor.optimizer.state.items()}
         assert set(held) == adapters, (f"optimizer state for {sorted(names[i] for i in set(held) - adapters)[:3]}"
                                        f" beyond the adapters (seed {seed})")

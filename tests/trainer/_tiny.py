@@ -6,3 +6,23 @@ TINY_MODEL = [
     "rollout.n=4", "rollout.max_tokens=4", "batch.prompts_per_step=4", "warm_start.batch_size=8",
     "logging.progress=false",
 ]
+
+
+def sampled_batch(step, seed: int, *, random_advantages: bool = False):
+    """One step's batch through the step's own phases (sample, score, log-probs, advantages,
+    corrections), from ``seed``. ``random_advantages``: a fresh random advantage per row over
+    its response instead — a tiny policy often scores all-zero (no gradient), and an update
+    test does not care where the advantages come from."""
+    import random
+
+    import torch
+
+    sb = step.sample(random.Random(seed))
+    step.score(sb)
+    step.log_probs(sb)
+    step.advantages(sb)
+    step.corrections(sb)
+    if random_advantages:
+        mask = sb.loss_mask
+        sb.tensors["advantages"] = torch.randn(mask.shape[0], 1, dtype=torch.float64).float() * mask
+    return sb

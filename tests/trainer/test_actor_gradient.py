@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from _tiny import TINY_MODEL
+from _tiny import TINY_MODEL, sampled_batch
 
 from hybridrl.config.io import load_config
 from hybridrl.job.build import build_run
@@ -48,16 +48,8 @@ def test_actor_gradient_equals_float64_reference(tmp_path, shared_prefix, mode):
     run = build_run(cfg, console=lambda s: None)
     try:
         warm_start(run, cfg)
-        step, rng = run.step, random.Random(seed)
-        sb = step.sample(rng)
-        step.score(sb)
-        step.log_probs(sb)
-        step.advantages(sb)
-        step.corrections(sb)
-        # a tiny policy often scores all-zero (no signal); the update path does not care where
-        # the advantages come from, so give every row a fresh random one over its response
-        mask = sb.loss_mask
-        sb.tensors["advantages"] = torch.randn(mask.shape[0], 1, dtype=torch.float64).float() * mask
+        step = run.step
+        sb = sampled_batch(step, seed, random_advantages=True)
         actor = step.actor
         actor.optimizer.step = lambda *a, **k: None  # keep the weights: compare the gradient only
         batch = sb.update_batch()
@@ -85,13 +77,8 @@ def test_the_worst_token_gap_is_reported_not_only_the_mean(tmp_path):
         f"trainer.output_dir={tmp_path}", "checkpoint.save=false"])
     run = build_run(cfg, console=lambda s: None)
     try:
-        step, rng = run.step, random.Random(seed)
-        sb = step.sample(rng)
-        step.score(sb)
-        step.log_probs(sb)
-        step.advantages(sb)
-        step.corrections(sb)
-        batch = dict(sb.update_batch())
+        step = run.step
+        batch = dict(sampled_batch(step, seed).update_batch())
         assert "rollout_log_prob" in batch
         step.actor.optimizer.step = lambda *a, **k: None  # the same weights for both passes
         clean = step.actor._mini_batch_step(dict(batch))
