@@ -65,12 +65,16 @@ def test_tp2_engine_on_cuda_equals_the_whole_engine(tmp_path, family):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3", "deepseek_v4", "deepseek_v3_lora"])
-def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
+def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, monkeypatch, arch):
     """FSDP2 over 2 ranks, one TP=2 engine between them (refit FSDP shards -> TP shards,
-    verified), against one process with a whole engine: the same rollouts, the same losses.
+    verified), against one process with a whole engine: the same rollouts, losses and first
+    gradients, and final weights within AdamW's bound (``_same_training`` derives each; a
+    fixed tolerance on weights after Adam fails where a gradient at the rounding floor is
+    normalized into an lr-sized step, e.g. DeepSeek-V4's ``hc_attn_fn`` on a Zen 5 host).
     ``_lora``: FSDP2-sharded LoRA adapters (the reference = the base), adapter-only refits
     into the TP shards, and the adapters compared at the end."""
-    from test_data_parallel import LOSSES, _rows, _weights, train_in_process, train_subprocess
+    from _same_training import assert_same_training
+    from test_data_parallel import LOSSES, _rows, train_in_process, train_subprocess
 
     # one-digit sums and a longer warm start: some rewards are non-zero; the entropy bonus and
     # the KL term make every step move the weights whatever the rewards
@@ -80,24 +84,12 @@ def test_training_at_world_2_with_tp2_matches_one_process(tmp_path, arch):
         arch = arch.removesuffix("_lora")
         extra += ["model.lora.rank=4", "optim.lr=3e-3"]
     extra += [f"model.arch={arch}", "rollout.routing_replay=true"] if arch != "qwen2" else []
-    assert train_in_process(tmp_path, "one", extra) == 0
-    two = train_subprocess(tmp_path, "two", extra + ["launcher.nproc_per_node=2", "rollout.tensor_parallel_size=2"])
+    assert train_in_process(tmp_path, "one", extra, monkeypatch) == 0
+    two = train_subprocess(tmp_path, "two", extra + ["launcher.nproc_per_node=2", "rollout.tensor_parallel_size=2"],
+                           record=True)
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    compared = 0
-    for ra, rb in zip(a, b):
-        assert ra.get("reward/mean") == rb.get("reward/mean")  # the same rollouts were sampled
-        for key in LOSSES:
-            if key in ra:
-                assert abs(rb[key] - ra[key]) <= 1e-4 * max(1.0, abs(ra[key])), (ra["step"], key, ra[key], rb[key])
-                compared += 1
-    assert compared >= 6
-    assert any(r.get("reward/mean") for r in a)
-    wa, wb = _weights(tmp_path / "one"), _weights(tmp_path / "two")
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=k)
+    assert any(r.get("reward/mean") for r in _rows(tmp_path / "one"))
+    assert_same_training(tmp_path, "one", "two", losses=LOSSES)
 
 
 def test_fsdp_to_tp_refit_peak_is_one_bucket_plus_a_tp_slice(tmp_path, monkeypatch):
