@@ -32,9 +32,43 @@ def save_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimize
     """Every rank writes its shards of ``model`` (and ``optimizer``) under ``path``;
     ``trainable_only``: the parameters that require grad (a LoRA policy's adapters)."""
     options = StateDictOptions(ignore_frozen_params=trainable_only)
+    if optimizer is not None:
+        _complete_optimizer_state(optimizer)
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
     state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
     dcp.save(state, checkpoint_id=str(path))
+
+
+def _complete_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter without optimizer state the state a load would build.
+
+    A fresh optimizer's load (``get_state_dict`` -> ``_init_optim_state``) builds state for
+    *every* trainable parameter with one zero-gradient, zero-lr step, then expects the
+    checkpoint to hold each one ("Missing key in checkpoint state_dict"). A parameter that
+    never received a gradient has none: DeepSeek-V4's lightning indexer (its top-k picks
+    carry no gradient), an unused head. The same zero-gradient, zero-lr step on those
+    parameters alone writes that state without moving any weight or any other state."""
+    if not optimizer.state:
+        return  # nothing trained yet: DCP initializes every state itself, on save and load
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [p for p in params if p.requires_grad and p not in optimizer.state]
+    if not missing:
+        return
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = None  # the others are skipped: their moments stay as they are
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def load_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
