@@ -37,12 +37,12 @@ def test_a_failing_rank_ends_the_job_in_one_line_without_orphans(tmp_path):
     marker = f"HYBRIDRL_TEST_MARKER={uuid.uuid4().hex}"
     key, value = marker.split("=")
     env = {**os.environ, key: value}
+    # Rank 0 waits for rank 1 in a collective whose timeout (launcher.timeout_s) is an hour:
+    # the job ending at all, within this run's guard, shows the failure stopped it, not a timeout.
     cmd = [sys.executable, "-m", "hybridrl", "train", *TINY, f"trainer.output_dir={tmp_path}",
-           "launcher.nproc_per_node=2", f"reward.functions={reward}:fn", "launcher.timeout_s=60"]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 2
-    assert time.monotonic() - t0 < 180
+           "launcher.nproc_per_node=2", f"reward.functions={reward}:fn", "launcher.timeout_s=3600"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("hybridrl: error: rank 1 failed:") and "boom on rank 1" in last, proc.stderr[-2000:]
     time.sleep(1.0)

@@ -1,25 +1,41 @@
 """RewardRunner: each reviewed failure of the thread-based runner, reproduced.
 
 Misbehaving rewards come from misbehaving_rewards.py by path, the way a user's
-``reward.functions: path/to/file.py:fn`` reaches the worker processes. Time limits in
-asserts are generous bounds on "did not wait for the hung call", never speed checks."""
+``reward.functions: path/to/file.py:fn`` reaches the worker processes.
+
+No assert depends on speed. A hung call here cannot end by itself (it sleeps ten minutes,
+backtracks for hours, or waits for a file the test never creates: gated_rewards.py), so a
+score that returns with it counted as a timeout, and the worker that ran it dead, shows that
+the runner killed it rather than waited. The calls that must not time out take milliseconds
+against a timeout of seconds (``TIMEOUT_S``)."""
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from hybridrl.rewards import RewardRunner, get_reward_fn
+from misbehaving_rewards import _pid_alive
 
 HERE = Path(__file__).resolve().parent
 BAD = f"{HERE / 'misbehaving_rewards.py'}:by_response"
 TYPED = f"{HERE / 'misbehaving_rewards.py'}:typed"
+GATED = f"{HERE / 'gated_rewards.py'}:gated"
+TIMEOUT_S = 5.0  # what a hung call costs; the calls that must finish take milliseconds
+
+
+def _killed(before: list[int], after: list[int]) -> set[int]:
+    """The workers of ``before`` that were replaced, each checked dead (killed and reaped)."""
+    gone = set(before) - set(after)
+    assert not [pid for pid in gone if _pid_alive(pid)], f"replaced workers still running: {gone}"
+    return gone
 
 
 @pytest.fixture(scope="module")
 def runner():
-    r = RewardRunner(BAD, timeout_s=1.0, workers=2)
+    r = RewardRunner(BAD, timeout_s=TIMEOUT_S, workers=2)
     yield r
     r.close()
 
@@ -27,20 +43,20 @@ def runner():
 def test_failures_cost_only_their_sample(runner):
     responses = ["1", "raise", "hang", "2", "regex", "exit", "sys.exit", "3"]
     answers = ["1", "1", "1", "2", "1", "1", "1", "x"]
-    t0 = time.monotonic()
+    before = runner._pool.pids()
     batch = runner.score(responses, answers, [""] * 8)
-    assert time.monotonic() - t0 < 20  # the hung calls were killed at ~1 s, not awaited
     assert batch.scores == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert batch.failures == {"raised RuntimeError": 1, "timeout": 2, "worker died": 1, "raised SystemExit": 1}
+    assert _killed(before, runner._pool.pids())  # "hang" and "regex" could not end by themselves
     assert runner.score(["5", "6"], ["5", "1"], ["", ""]).scores == [1.0, 0.0]  # still usable
 
 
 def test_gil_holding_reward_is_killed_at_its_timeout(runner):
     # a thread could never stop this match: it holds the GIL inside re for hours
-    t0 = time.monotonic()
+    before = runner._pool.pids()
     batch = runner.score(["regex", "ok"], ["1", "ok"], ["", ""])
-    assert time.monotonic() - t0 < 20
     assert batch.scores == [0.0, 1.0] and batch.failures == {"timeout": 1}
+    assert len(_killed(before, runner._pool.pids())) == 1
 
 
 def test_dying_worker_costs_its_sample_and_is_replaced(runner):
@@ -51,24 +67,44 @@ def test_dying_worker_costs_its_sample_and_is_replaced(runner):
 
 
 def test_sys_exit_is_an_ordinary_failure_not_a_timeout():
-    # the thread runner lost the result and waited out the full timeout for each call
+    # the thread runner lost the result and waited out the full timeout for each call (so
+    # they counted as timeouts); here each is its own failure and the workers stay
     with RewardRunner(BAD, timeout_s=120.0, workers=2) as r:
-        t0 = time.monotonic()
+        before = r._pool.pids()
         batch = r.score(["sys.exit"] * 4 + ["ok"], ["x"] * 4 + ["ok"], [""] * 5)
-        assert time.monotonic() - t0 < 20
+        assert r._pool.pids() == before
     assert batch.scores == [0.0] * 4 + [1.0] and batch.failures == {"raised SystemExit": 4}
+
+
+def _until(condition, score) -> None:
+    """Wait until ``condition()``; a score call that ends first fails the test with its outcome."""
+    while not condition():
+        if score.done():
+            pytest.fail(f"the score call ended before the test released it: {score.result()}")
+        time.sleep(0.005)
 
 
 def test_timed_out_call_while_another_still_runs(tmp_path):
     # The thread runner crashed with KeyError when a timed-out call finished while another
-    # was still running. Call 0 would take 3 s (its timeout is 2 s); call 1 takes 1.4 s on
-    # the other worker; call 2 starts after it and returns 0.2 s after call 0 finished
-    # (thread runner: at ~3 s) or its worker died (here: killed at ~2 s), in time either way.
-    calls = [f"slow-then-flag {tmp_path} 3.0", "sleep 1.4", f"await {tmp_path}"]
-    with RewardRunner(BAD, timeout_s=2.0, workers=2) as r:
-        batch = r.score(calls, ["x"] * 3, [""] * 3)
+    # was still running. Three gated calls (gated_rewards.py), ordered by files: a never
+    # finishes (killed at its timeout); b, on the other worker, finishes meanwhile; c starts
+    # there after b, is still running when a is killed, and returns after that.
+    # a and c each have TIMEOUT_S from their own start, so c must start well after a: b is
+    # released half a timeout after a started (the one margin of time, TIMEOUT_S / 2 each way).
+    calls = [f"gate {tmp_path} {name}" for name in "abc"]
+    started = lambda name: (tmp_path / f"{name}.pid").exists()  # noqa: E731
+    pid = lambda name: int((tmp_path / f"{name}.pid").read_text())  # noqa: E731
+    with RewardRunner(GATED, timeout_s=TIMEOUT_S, workers=2) as r, ThreadPoolExecutor(1) as pool:
+        score = pool.submit(r.score, calls, ["x"] * 3, [""] * 3)
+        _until(lambda: started("a") and started("b"), score)
+        time.sleep(TIMEOUT_S / 2)
+        (tmp_path / "b.go").touch()
+        _until(lambda: started("c"), score)
+        _until(lambda: not _pid_alive(pid("a")), score)  # a's worker killed at a's timeout, c still running
+        (tmp_path / "c.go").touch()
+        batch = score.result()
+    assert pid("c") == pid("b") != pid("a")
     assert batch.scores == [0.0, 1.0, 1.0] and batch.failures == {"timeout": 1}
-    assert not (tmp_path / "finished").exists()  # killed, not left running in the background
 
 
 def test_return_types_are_numbers():
@@ -119,16 +155,16 @@ def test_batched_reward_is_called_once_per_batch():
 
 def test_batched_failures_cost_the_batch_counted_per_sample():
     spec = f"{HERE / 'misbehaving_rewards.py'}:batched_by_first"
-    with RewardRunner(spec, timeout_s=1.0, workers=1) as r:
+    with RewardRunner(spec, timeout_s=TIMEOUT_S, workers=1) as r:
         ok = r.score(["a", "b", "c"], ["a", "x", "c"], [""] * 3)
         assert ok.scores == [1.0, 0.0, 1.0] and ok.failures == {"mismatch": 1}
         assert r.score(["raise", "a"], ["a", "a"], ["", ""]).failures == {"raised ValueError": 2}
         assert r.score(["short", "a", "b"], ["a"] * 3, [""] * 3).failures == {
             "batched reward returned 1 results for 3 samples": 3}
-        t0 = time.monotonic()
+        before = r._pool.pids()
         hung = r.score(["hang", "a", "b"], ["a"] * 3, [""] * 3)
-        assert time.monotonic() - t0 < 20
         assert hung.scores == [0.0] * 3 and hung.failures == {"timeout": 3}
+        assert len(_killed(before, r._pool.pids())) == 1
         assert r.score(["a"], ["a"], [""]).scores == [1.0]  # a fresh worker took over
 
 
@@ -184,7 +220,7 @@ def test_score_checks_lengths():
 
 def test_first_error_of_each_reason_is_reported_once_with_its_message():
     reports = []
-    with RewardRunner(BAD, timeout_s=1.0, workers=2, report=reports.append) as r:
+    with RewardRunner(BAD, timeout_s=TIMEOUT_S, workers=2, report=reports.append) as r:
         r.score(["raise", "raise", "exit", "hang", "1"], ["1"] * 5, [""] * 5)
         r.score(["raise", "exit"], ["1", "1"], ["", ""])
         first = dict(r.first_errors)
@@ -192,7 +228,7 @@ def test_first_error_of_each_reason_is_reported_once_with_its_message():
     assert first["raised RuntimeError"].startswith("RuntimeError: boom (")
     assert "misbehaving_rewards.py:" in first["raised RuntimeError"]  # where it was raised
     assert "exited with code 3" in first["worker died"]
-    assert "no result within 1 s" in first["timeout"]
+    assert f"no result within {TIMEOUT_S:g} s" in first["timeout"]
     assert len(reports) == 3 and all("\n" not in line for line in reports)
     assert any("(raised RuntimeError): RuntimeError: boom (" in line for line in reports)
 
