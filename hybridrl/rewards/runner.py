@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -104,6 +105,10 @@ class RewardRunner:
         self.total_failures: Counter = Counter()
         self.first_errors: dict[str, str] = {}  # reason -> detail of its first occurrence
         self._report = report if report is not None else log.warning
+        # one score() at a time: an async run's reward thread and the evaluation on the main
+        # thread share this runner, and its worker pool and breaker are not thread-safe
+        # (two at once: "ValueError: <_Worker> is not in list" or a hang in poll)
+        self._scoring = threading.Lock()
         self._pool: ProcessPool | None = None
         if is_trusted(self.fn):
             warmup = getattr(self.fn, "hybridrl_warmup", None)
@@ -124,10 +129,11 @@ class RewardRunner:
         if not len(responses) == len(answers) == len(prompts):
             raise ValueError(f"RewardRunner.score: {len(responses)} responses, {len(answers)} answers and "
                              f"{len(prompts)} prompts; pass one of each per sample")
-        t0 = time.perf_counter()
-        outcomes = self._outcomes(list(responses), list(answers), list(prompts)) if responses else []
-        batch = self._collect(outcomes)
-        batch.seconds = time.perf_counter() - t0
+        with self._scoring:
+            t0 = time.perf_counter()
+            outcomes = self._outcomes(list(responses), list(answers), list(prompts)) if responses else []
+            batch = self._collect(outcomes)
+            batch.seconds = time.perf_counter() - t0
         return batch
 
     def _outcomes(self, responses: list[str], answers: list, prompts: list[str]) -> list[Outcome]:

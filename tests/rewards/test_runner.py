@@ -274,3 +274,26 @@ def test_worker_output_goes_to_devnull_or_a_file(tmp_path, capfd):
         r.score(["print"], ["x"], [""])
     text = log_file.read_text()
     assert text.count("reward-debug-output") == 100 and text.count("reward-debug-stderr") == 100
+
+
+def test_two_threads_scoring_at_once_get_their_own_scores():
+    """An async run's reward thread and the evaluation on the main thread score through one
+    runner at the same time (the pool is not thread-safe: two at once raised ``<_Worker> is not
+    in list`` or hung); every call gets its own batch's scores."""
+    r = RewardRunner(BAD, timeout_s=TIMEOUT_S, workers=2)
+    try:
+        def score(thread: int):
+            got = []
+            for call in range(15):
+                answers = [str((thread + call + i) % 3) for i in range(6)]
+                responses = [str(i % 3) for i in range(6)]
+                want = [float(a == b) for a, b in zip(responses, answers)]
+                got.append((r.score(responses, answers, [""] * 6).scores, want))
+            return got
+
+        with ThreadPoolExecutor(2) as pool:
+            for results in pool.map(score, range(2)):
+                for scores, want in results:
+                    assert scores == want
+    finally:
+        r.close()
