@@ -10,6 +10,7 @@ suite without vLLM (now ``tests/vllm_backend``, after the package it tests)."""
 from __future__ import annotations
 
 import pkgutil
+import site
 import sys
 from pathlib import Path
 
@@ -25,9 +26,9 @@ def test_no_test_folder_or_helper_takes_a_package_name():
     namespaces = {p.name for p in folders if not (p / "__init__.py").exists()}
     modules = {p.name for p in folders if (p / "__init__.py").exists()}
     modules |= {p.stem for p in TESTS.rglob("*.py") if p.stem not in ("conftest", "__init__")}
-    ours = (TESTS, TESTS.parent)  # the test folders, and the checkout root (`python -m pytest`)
-    outside = [p for p in sys.path if p and Path(p).resolve() not in ours
-               and not Path(p).resolve().is_relative_to(TESTS)]
+    # what is installed: site-packages, not whatever sys.path holds by now (on an xdist worker,
+    # earlier tests may have put other folders there, e.g. one holding the package hybridrl.agents)
+    outside = [p for p in site.getsitepackages() + [site.getusersitepackages()] if Path(p).is_dir()]
     installed = set(sys.stdlib_module_names) | {m.name for m in pkgutil.iter_modules(outside)}
     clashes = sorted(namespaces & OPTIONAL | modules & (OPTIONAL | installed))
     assert not clashes, f"tests/ names that shadow packages: {clashes}; rename them (e.g. tests/vllm_backend)"
