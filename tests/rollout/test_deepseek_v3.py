@@ -15,18 +15,8 @@ from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.derived import DerivedCacheError
 from hybridrl.rollout.layers.mla import MlaAttention, set_decode_mode
 from hybridrl.rollout.model_config import parse_hf_config
+from _greedy import assert_greedy_matches
 from tests.rollout import _deepseek as ds
-
-
-def greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens from transformers' full forward, one token at a time. (Not
-    ``hf.generate``: in transformers 5.19 it disagreed with the model's own forward on some
-    drawn configs, e.g. seed 903996668 prompt 0 — the same inputs, other logits.)"""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 def _left_padded(rng_t, B, S, vocab):
@@ -66,7 +56,7 @@ def test_greedy_tokens_and_logprobs_match_transformers_with_continuous_batching(
                for n in torch.randint(3, 17, (6,), generator=g)]
     out = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     for i, p in enumerate(prompts):
-        assert out.response_token_ids[i] == greedy_reference(hf, p, 10), f"seed {seed}, prompt {i}"
+        assert_greedy_matches(hf, p, out.response_token_ids[i], what=f"seed {seed}, prompt {i}:")
     with torch.no_grad():
         lp = torch.log_softmax(hf(input_ids=out.input_ids, attention_mask=out.attention_mask).logits, -1)
     ref_lp = lp[:, :-1].gather(-1, out.input_ids[:, 1:, None])[..., 0]
@@ -117,7 +107,7 @@ def test_conversation_continuation_and_refit_mid_answer_on_the_latent_cache():
     eng.add_request("t2", turn2, SamplingParams(max_tokens=6, temperature=0.0), parent="t1")
     second = eng.run_until_finished(["t2"])["t2"]
     assert eng.scheduler.prefixes.hits == 1
-    assert second.token_ids == greedy_reference(hf_a, turn2, 6)
+    assert_greedy_matches(hf_a, turn2, second.token_ids)
 
     eng.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0))
     for _ in range(4):
@@ -242,7 +232,7 @@ def test_absorbed_prefill_equals_decompressed_prefill():
     first = eng.run_until_finished(["a"])["a"].token_ids
     turn = prompt + first + [3, 5, 7]
     eng.add_request("b", turn, SamplingParams(max_tokens=5, temperature=0.0), parent="a")
-    assert eng.run_until_finished(["b"])["b"].token_ids == greedy_reference(hf, turn, 5)
+    assert_greedy_matches(hf, turn, eng.run_until_finished(["b"])["b"].token_ids)
 
 
 @pytest.mark.cuda
