@@ -60,7 +60,7 @@ def test_all_trusted_combination_runs_inline():
 
 def test_a_failing_component_fails_the_sample_naming_it():
     bad = get_reward_fn(f"{HERE / 'misbehaving_rewards.py'}:by_response")  # exact match unless told
-    with RewardRunner(combine([("gsm8k", 1.0), (bad, 1.0)]), timeout_s=1.0, workers=1) as r:
+    with RewardRunner(combine([("gsm8k", 1.0), (bad, 1.0)]), timeout_s=5.0, workers=1) as r:  # ms calls vs 5 s
         batch = r.score(["#### 72", "raise", "hang"], ["#### 72"] * 3, [""] * 3)
     assert batch.scores == [2.0, 0.0, 0.0]
     assert batch.failures == {"by_response: raised RuntimeError": 1, "timeout": 1}
