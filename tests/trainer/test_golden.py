@@ -48,6 +48,7 @@ import pytest
 import torch
 
 import golden_portable
+from suite_warnings import GoldenNotRecorded
 from fp_fingerprint import fingerprint
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -69,10 +70,6 @@ CASES = {
                               "rollout.quantization=fp8", "algo.loss_agg_mode=seq-mean-token-mean"],
 }
 RECORD_HINT = "HYBRIDRL_RECORD_GOLDEN=1 python -m pytest tests/trainer/test_golden.py"
-
-
-class GoldenNotRecorded(UserWarning):
-    """No golden recording for this machine's floating-point environment."""
 
 
 @dataclass(frozen=True)
