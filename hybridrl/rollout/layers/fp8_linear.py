@@ -54,6 +54,7 @@ from torch.torch_version import TorchVersion
 
 from hybridrl.quant.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, abs_error_bound, block_scale_shape, dequantize_,
                                 quantize_)
+from hybridrl.rollout.compile import compile_fn
 from hybridrl.rollout.derived import DerivedCache
 from hybridrl.rollout.layers import cpu_linear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
@@ -225,7 +226,7 @@ def _compiled():
     global _compiled_quantize_rows
     if _compiled_quantize_rows is None:
         # dynamic: one compiled kernel pair for every token count M (M = 1 specializes once).
-        _compiled_quantize_rows = torch.compile(quantize_rows_eager, dynamic=True)
+        _compiled_quantize_rows = compile_fn(quantize_rows_eager, dynamic=True)  # cache per CPU capability
     return _compiled_quantize_rows
 
 
