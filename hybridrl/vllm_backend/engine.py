@@ -62,6 +62,7 @@ import torch
 
 from hybridrl.rollout.backend import (EngineSpec, WeightUpdateBracket, bucket_problems, describe_problems,
                                       expand_requests, listing)
+from hybridrl.rollout.compile import keyed_inductor_cache
 from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.rollouts import Rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
@@ -118,6 +119,7 @@ class VllmEngine(WeightUpdateBracket):
         self.check_reload = check_reload
         with preserve_environ():
             vllm = import_vllm()
+        keyed_inductor_cache()  # vLLM's CPU kernels go through inductor too (rollout/compile.py)
         check_platform(hf_config, self.device)
         self._config_dir = write_config_dir(hf_config)
         kv_bytes = kv_cache_memory_bytes or kv_cache_bytes(hf_config, spec)
