@@ -64,6 +64,12 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_configure(config):
+    # inductor's kernel cache per CPU capability for every compile in the suite (transformers'
+    # static-cache generate in the benchmarks too): kernels cached under another
+    # ATEN_CPU_CAPABILITY crashed a worker ("Fatal Python error: Aborted"); rollout/compile.py
+    from hybridrl.rollout.compile import keyed_inductor_cache
+
+    keyed_inductor_cache()
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... (a replacement worker: a higher N)
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or count < 2 or not hasattr(os, "sched_setaffinity"):
