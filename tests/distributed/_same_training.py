@@ -208,13 +208,9 @@ def check_gradients(a: Run, b: Run, same: list[bool]) -> list[int]:
             assert (ga is None) == (gb is None), f"step {k + 1}: {name} has a gradient in one run only"
             if ga is None:
                 continue
-            excess = (gb - ga).abs() - (floor + 8 * U * ga.abs())
-            if excess.max() > 0:
-                i = int(excess.argmax())
-                raise AssertionError(
-                    f"optimizer step {k + 1}: the gradient of {name} differs beyond summation order at "
-                    f"{int((excess > 0).sum())}/{ga.numel()} coordinates; worst [{i}]: {float(ga.flatten()[i]):.6g} "
-                    f"vs {float(gb.flatten()[i]):.6g}, allowed {floor:.3g} + 8u|g|")
+            _assert_within(ga, gb, floor + 8 * U * ga.abs(),
+                           f"optimizer step {k + 1}: the gradient of {name} differs beyond summation order", ".6g",
+                           lambda i: f"allowed {floor:.3g} + 8u|g|")
             squares += float(((gb - ga) ** 2).sum())
         # |norm_b - norm_a| <= |g_b - g_a| exactly; each fp32 norm of P squares is off by at most gamma_P
         params = sum(g.numel() for g in ga_all.values() if g is not None)
@@ -273,13 +269,8 @@ def check_checkpoints(ck_a: dict[str, torch.Tensor], ck_b: dict[str, torch.Tenso
         if key not in bound:
             assert torch.equal(wa, wb), f"{key} (not trained) differs"
             continue
-        excess = (wb - wa).abs() - bound[key]
-        if excess.max() > 0:
-            i = int(excess.argmax())
-            raise AssertionError(
-                f"final weights: {key} differs beyond AdamW's bound at {int((excess > 0).sum())}/{wa.numel()} "
-                f"coordinates; worst [{i}]: {float(wa.flatten()[i]):.8g} vs {float(wb.flatten()[i]):.8g}, "
-                f"bound {float(bound[key].flatten()[i]):.3g}")
+        _assert_within(wa, wb, bound[key], f"final weights: {key} differs beyond AdamW's bound", ".8g",
+                       lambda i, b=bound[key]: f"bound {float(b.flatten()[i]):.3g}")
 
 
 def check_catches_broken_runs(a: Run, b: Run, same: list[bool], nonzero: list[int],
@@ -322,3 +313,12 @@ def assert_same_training(out: Path, one: str, two: str, *, losses: tuple[str, ..
     bound_ck = a.checkpoint_layout(weight_bound(a, b, same))
     check_checkpoints(a.checkpoint(), b.checkpoint(), bound_ck)
     check_catches_broken_runs(a, b, same, nonzero, bound_ck)
+
+
+def _assert_within(a: torch.Tensor, b: torch.Tensor, allowed: torch.Tensor, what: str, fmt: str, why) -> None:
+    """|b - a| <= allowed everywhere, else one AssertionError naming the count and the worst coordinate."""
+    excess = (b - a).abs() - allowed
+    if excess.max() > 0:
+        i = int(excess.argmax())
+        raise AssertionError(f"{what} at {int((excess > 0).sum())}/{a.numel()} coordinates; worst [{i}]: "
+                             f"{float(a.flatten()[i]):{fmt}} vs {float(b.flatten()[i]):{fmt}}, {why(i)}")
