@@ -25,7 +25,7 @@ class RolloutActor:
     """The actor body: an engine built like the run's, served by a LocalProducer."""
 
     def __init__(self, spec: WorkerSpec):
-        from hybridrl.job.engine_factory import build_engine
+        from hybridrl.pipeline.engines import build_engine
         from hybridrl.pipeline.producers import LocalProducer
         from hybridrl.trainer.rollout_worker import RolloutWorker
 

@@ -43,7 +43,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, conn, channel) -> None:
     """The process body (spawned): build the engine, then serve until told to stop."""
-    from hybridrl.job.engine_factory import build_engine
+    from hybridrl.pipeline.engines import build_engine
     from hybridrl.refit.shm import serve_refit
     from hybridrl.rollout.backend import pad_step
 

@@ -1,11 +1,11 @@
-"""The run's engine from its config (``hybridrl/job/engine_factory.py``): ``rollout.kv_cache_mb``
+"""The run's engine from its config (``hybridrl/pipeline/engines.py``): ``rollout.kv_cache_mb``
 sizes the built-in engine's rows; a KV cache that cannot fit is refused in the config's keys."""
 
 import pytest
 import torch
 
 from hybridrl.config.io import load_config
-from hybridrl.job.engine_factory import build_engine
+from hybridrl.pipeline.engines import build_engine
 from hybridrl.rollout import SamplingParams
 from tests.rollout.conftest import make_config, make_hf_model
 
