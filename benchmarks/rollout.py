@@ -269,7 +269,8 @@ def bench_exact(dtype: torch.dtype, quick: bool) -> list[dict]:
         default = RolloutEngine(model.config, EngineSpec(max_batch_size=max_batch, max_seq_len=max_seq, dtype=dtype))
         default.load_weights(model.named_parameters())
         exact = ExactEngine(model, max_batch_size=max_batch, max_seq_len=max_seq)
-        exact.advance_version()
+        exact.begin_weight_update()
+        exact.finish_weight_update()
         with torch.inference_mode():
             ours, base = interleaved_times([lambda: exact.generate(ps, sparams), lambda: default.generate(ps, sparams)],
                                            2 if quick else 5)

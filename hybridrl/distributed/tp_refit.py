@@ -32,7 +32,8 @@ from hybridrl.refit.bucket import group_by_bytes
 from hybridrl.rollout.layers.tensor_parallel import TPSlice
 
 
-def refit_sharded_tp(engine, model: torch.nn.Module, *, bucket_bytes: int, verify: bool = False) -> RefitStats:
+def refit_sharded_tp(engine, model: torch.nn.Module, *, bucket_bytes: int, verify: bool = False,
+                     version: int | None = None) -> RefitStats:
     """Refit ``engine`` (this rank's TP shard) from the FSDP2-sharded ``model``; every rank calls it."""
     params = [(n, p.detach()) for n, p in model.named_parameters()]
     routes = engine.weight_routes
@@ -44,7 +45,7 @@ def refit_sharded_tp(engine, model: torch.nn.Module, *, bucket_bytes: int, verif
         for bucket in group_by_bytes(params, bucket_bytes):  # whole-tensor bytes: a bound on what arrives
             yield _exchange(bucket, every, routes)
 
-    return refit_buckets(engine, model, buckets, verify=verify)  # buffers: whole, sliced by the engine
+    return refit_buckets(engine, model, buckets, verify=verify, version=version)  # buffers: whole, sliced by the engine
 
 
 def _route_slice(routes, name: str):

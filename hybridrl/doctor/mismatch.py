@@ -323,7 +323,8 @@ def _exact_gap(cfg: Config, step, prompts, params, job_seconds: float) -> str | 
     exact = ExactEngine(model, max_batch_size=getattr(engine, "max_batch_size", 64),
                         max_seq_len=getattr(engine, "max_seq_len", 256),
                         pad_token_id=getattr(engine, "pad_token_id", 0))
-    exact.advance_version()
+    exact.begin_weight_update()
+    exact.finish_weight_update()
     exact.generate(prompts[:1], params[:1])  # warm-up, as the job engine's
     t0 = time.perf_counter()
     ro = exact.generate(prompts, params)

@@ -3,7 +3,9 @@ under batch-invariant numerics, so its log-probs are bitwise the trainer's recom
 
 It holds no weights of its own: it runs the policy module the trainer trains (colocated,
 one process), so a "refit" moves nothing and can deliver no stale or half-written
-weight; ``advance_version`` numbers the policy after each update like a refit would.
+weight. It keeps the engines' weight-update bracket all the same (``begin_weight_update()``
+-> ``finish_weight_update(version=...)``, with nothing to load in between): the bracket
+records the version of the policy after each update, the number a refit would record.
 
 Generation: the requests of a chunk (up to ``max_batch_size`` rows) are left-padded
 into one batch, prefilled in one call and decoded one token per call for every row with
@@ -22,14 +24,17 @@ scalar, then ``z - logsumexp(z)``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from hybridrl.exact.attention import exact_attention_for
 from hybridrl.exact.ops import batch_invariant, check_batch_invariance, exact_log_softmax
-from hybridrl.rollout.backend import expand_requests
+from hybridrl.rollout.backend import expand_requests, next_weight_version
 from hybridrl.rollout.layers.sampler import SamplingTensors, draw, make_uniforms
 from hybridrl.rollout.rollouts import build_rollouts
 from hybridrl.rollout.sampling_params import SamplingParams
+from hybridrl.rollout.weight_update import WeightUpdateError
 
 
 NOT_EXACT = {"deepseek_v4": "its compressed attention runs padded only, not through the exact attention"}
@@ -38,7 +43,7 @@ NOT_EXACT = {"deepseek_v4": "its compressed attention runs padded only, not thro
 class ExactEngine:
     """``generate`` over ``model`` (a transformers causal LM, the trainer's policy module)."""
 
-    shares_trainer_weights = True  # RolloutWorker: nothing to send, the version advances
+    shares_trainer_weights = True  # RolloutWorker: nothing to send, an empty bracket records the version
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_seq_len: int, pad_token_id: int = 0):
         model_type = getattr(model.config, "model_type", None)
@@ -53,6 +58,7 @@ class ExactEngine:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.dtype = next(model.parameters()).dtype
         self._weight_version = 0
+        self._updating = False  # between begin_weight_update() and finish / abort
 
     # ---- weights: the trainer's own ------------------------------------------------------
     @property
@@ -61,12 +67,32 @@ class ExactEngine:
 
     @property
     def weight_update_in_progress(self) -> bool:
-        return False
+        return self._updating
 
-    def advance_version(self) -> int:
-        """The policy changed (an optimizer step, a load): +1, like a complete refit."""
-        self._weight_version += 1
-        return self._weight_version
+    def begin_weight_update(self) -> None:
+        """The policy is changing (an optimizer step, a load); nothing reaches this engine."""
+        if self._updating:
+            raise WeightUpdateError("a weight update of this engine is already in progress; finish or abort it first")
+        self._updating = True
+
+    def load_weights(self, named_tensors) -> set[str]:
+        raise ValueError("ExactEngine.load_weights: it runs the trainer's own modules, there is nothing to load; "
+                         "call begin_weight_update() then finish_weight_update(version=...)")
+
+    def abort_weight_update(self) -> None:
+        self._updating = False
+
+    def finish_weight_update(self, check: Callable[[], None] | None = None, *, version: int | None = None) -> int:
+        """Record the policy's new version (``version``: the publisher's; None: +1) after
+        ``check()`` passed; returns it. The update is closed whatever happens."""
+        if not self._updating:
+            raise WeightUpdateError("finish: no weight update in progress; call engine.begin_weight_update() first")
+        self._updating = False
+        new_version = next_weight_version(self._weight_version, version)
+        if check is not None:
+            check()
+        self._weight_version = new_version
+        return new_version
 
     def state_dict(self) -> dict[str, int]:
         return {"weight_version": self._weight_version}

@@ -5,7 +5,8 @@ bugs. A derived cache refreshed before the quantized weights were back in their
 inference layout was computed from staging data; a cache dropped and lazily rebuilt
 after refit moved to a new address under a captured CUDA graph. The engine owns the
 in-place part of that order (its weight-update bracket: loading layouts on begin;
-inference layouts, *then* derived caches on finish; the one ``weight_version`` increment).
+inference layouts, *then* derived caches on finish; recording the ``weight_version`` it is
+handed — the publisher's, the one owner of that number — or +1 when none is).
 A ``Refit`` adds the protocol around it:
 
 - ``begin(names)``  checks the announced name set against the engine's route table,
@@ -13,7 +14,8 @@ A ``Refit`` adds the protocol around it:
 - ``load(bucket)``  validates the whole bucket first, takes the expected checksums
                     (``verify=True``), then hands it to ``engine.load_weights``;
 - ``finish()``      requires every name sent, closes the engine's update with the
-                    verifier as its ``check`` (a failed check commits nothing).
+                    verifier as its ``check`` and the refit's ``version`` (a failed
+                    check commits nothing).
 
 Any other call order raises ``RefitError``. Nothing here touches an engine private: the
 engine's public bracket, its route table and ``named_state_tensors()`` are the interface.
@@ -31,6 +33,7 @@ from hybridrl.refit import names as N
 from hybridrl.refit import verify as V
 from hybridrl.refit.bucket import nbytes
 from hybridrl.refit.errors import RefitError, listing
+from hybridrl.rollout.backend import check_weight_version
 
 
 class State(enum.Enum):
@@ -44,7 +47,7 @@ class State(enum.Enum):
 class RefitStats:
     bytes_moved: int  # bytes of trainer tensors received
     seconds: float  # begin() to the end of finish()
-    version: int  # engine.weight_version after this refit
+    version: int  # engine.weight_version after this refit (the one it was handed)
     num_tensors: int
 
     @property
@@ -55,8 +58,12 @@ class RefitStats:
 class Refit:
     """One refit of ``engine``. Use ``refit_session(engine)`` or call the steps yourself."""
 
-    def __init__(self, engine, *, verify: bool = False):
-        self.engine, self.verify = engine, verify
+    def __init__(self, engine, *, verify: bool = False, version: int | None = None):
+        """``version``: the weight version this refit publishes, decided by the caller (the
+        trainer's batch source) and recorded by the engine; None: the engine's + 1."""
+        if version is not None:
+            check_weight_version(version)  # refused before anything is sent
+        self.engine, self.verify, self.version = engine, verify, version
         self.routes = engine.weight_routes
         self.state = State.NEW
         self.written: set[str] = set()
@@ -109,7 +116,7 @@ class Refit:
         self.bytes += sum(nbytes(t) for _, t in kept)
 
     def finish(self) -> RefitStats:
-        """Close the engine's update (layouts, then caches, then ``verify``); it advances the version."""
+        """Close the engine's update (layouts, then caches, then ``verify``); it records the version."""
         self._expect(State.LOADING, "finish")
         missing = N._missing(self.routes, self.written) if self._partial is None else self._partial - self.written
         self.state = State.FAILED  # until every step below succeeded
@@ -118,7 +125,8 @@ class Refit:
             raise RefitError(f"refit incomplete: {len(missing)} weights never sent: {listing(missing)}; "
                              "the engine holds a partial refit and weight_version was not advanced; "
                              "run a complete refit")
-        version = self.engine.finish_weight_update(check=self._verify if self.verify else None)
+        version = self.engine.finish_weight_update(check=self._verify if self.verify else None,
+                                                   version=self.version)
         self.state = State.DONE
         return RefitStats(self.bytes, time.perf_counter() - self._t0, version, len(self.written))
 
@@ -171,7 +179,7 @@ class Refit:
 
 
 def refit_session(engine, *, verify: bool = False, names: Iterable[str] | None = None,
-                  partial: bool = False) -> Refit:
+                  partial: bool = False, version: int | None = None) -> Refit:
     """``with refit_session(engine, verify=True) as s: s.load(bucket) ...`` — begin on enter,
     finish on a clean exit (stats in ``s.stats``), abort on an exception."""
-    return Refit(engine, verify=verify).begin(names, partial=partial)
+    return Refit(engine, verify=verify, version=version).begin(names, partial=partial)

@@ -6,13 +6,15 @@ IPC handle) and a ``Pipe``. Both travel to the trainer process as a picklable
 ``ShmChannel``. Handshake, one bucket in flight:
 
     trainer                                   engine
-    ("begin", names)                    ──►   Refit.begin(names)          ──► "ok" | error
+    ("begin", names, partial, version)  ──►   Refit(version=version)      ──► "ok" | error
+                                              .begin(names)
     pack bucket into shared buffer
     drain its copies (device sync)
     ("bucket", metas)                   ──►   unpack views, Refit.load
                                               drain its reads (device sync) ──► "ok" | error
     ... (the buffer is refilled only after the ack)
-    ("finish",)                         ──►   Refit.finish()              ──► stats | error
+    ("finish",)                         ──►   Refit.finish(): the engine  ──► stats | error
+                                              records ``version``
 
 **Synchronization (CUDA).** The pipe is host-side; the bucket is device memory read and
 written by kernels that run *asynchronously* on each process's own stream. Two races
@@ -51,6 +53,7 @@ import torch
 from hybridrl.refit.bucket import DEFAULT_BUCKET_BYTES, BucketPacker, unpack
 from hybridrl.refit.errors import RefitError
 from hybridrl.refit.session import Refit, RefitStats
+from hybridrl.rollout.backend import check_weight_version
 
 DEFAULT_TIMEOUT_S = 600.0  # one message round trip (one bucket loaded); None waits forever
 
@@ -120,12 +123,17 @@ def _call(conn, msg, timeout_s: float | None):
 
 
 def send_refit(channel: ShmChannel, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-               timeout_s: float | None = DEFAULT_TIMEOUT_S, partial: bool = False) -> RefitStats:
+               timeout_s: float | None = DEFAULT_TIMEOUT_S, partial: bool = False,
+               version: int | None = None) -> RefitStats:
     """Trainer side: announce, stream buckets through the shared buffer, finish.
-    ``partial``: the names are a subset of the engine's (``Refit.begin(names, partial=True)``)."""
+    ``partial``: the names are a subset of the engine's (``Refit.begin(names, partial=True)``);
+    ``version``: the weight version this refit publishes, announced with "begin" so that
+    the engine side's ``Refit`` is built with it (None: the engine's + 1)."""
+    if version is not None:
+        check_weight_version(version)  # refused before anything is sent
     named = list(named_tensors)
     sources = {t.device for _, t in named}
-    _call(channel.conn, ("begin", [n for n, _ in named], partial), timeout_s)
+    _call(channel.conn, ("begin", [n for n, _ in named], partial, version), timeout_s)
     packer = BucketPacker(channel.buffer.numel(), buffer=channel.buffer)
     for payload, metas in packer.pack_meta(named):
         # The copies into the bucket (or a large tensor's .contiguous()) are queued, not
@@ -143,9 +151,10 @@ def serve_refit(engine, channel: ShmChannel, *, verify: bool = False,
                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> RefitStats:
     """Engine side: serve one refit sent by ``send_refit``; returns its stats.
 
-    Raises ``RefitError`` if the trainer sends nothing for ``timeout_s`` or dies.
+    Raises ``RefitError`` if the trainer sends nothing for ``timeout_s`` or dies. The engine
+    records the version the trainer announced with "begin".
     """
-    refit = Refit(engine, verify=verify)
+    refit = Refit(engine, verify=verify)  # until "begin" brings the version: refuses any other message
     devices = [channel.buffer.device, getattr(engine, "device", None)]
     while True:
         try:
@@ -156,7 +165,8 @@ def serve_refit(engine, channel: ShmChannel, *, verify: bool = False,
         touched = ()  # devices of tensors that came with the message
         try:
             if msg[0] == "begin":
-                refit.begin(msg[1], partial=msg[2])
+                names, partial, version = msg[1:]
+                refit = Refit(engine, verify=verify, version=version).begin(names, partial=partial)
                 reply = None
             elif msg[0] == "bucket":
                 refit.load(unpack(channel.buffer, msg[1]))

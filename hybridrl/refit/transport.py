@@ -38,16 +38,17 @@ def named_trainer_tensors(model_or_named) -> list[tuple[str, torch.Tensor]]:
 
 
 def refit_from_model(engine, model_or_named, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     verify: bool = False, partial: bool = False) -> RefitStats:
+                     verify: bool = False, partial: bool = False, version: int | None = None) -> RefitStats:
     """Refit ``engine`` in place from an HF model or ``(hf_name, tensor)`` pairs.
 
     Announces the full name set first (a partial or unknown layout is rejected with the
     engine unchanged), then loads bucket by bucket and finishes. Returns bytes moved,
     seconds and the new ``engine.weight_version``. ``partial``: the pairs are a subset of the
     engine's names (a LoRA refit, ``Refit.begin``); the others keep their values.
+    ``version``: the weight version this refit publishes (None: the engine's + 1).
     """
     named = named_trainer_tensors(model_or_named)
-    refit = Refit(engine, verify=verify).begin([n for n, _ in named], partial=partial)
+    refit = Refit(engine, verify=verify, version=version).begin([n for n, _ in named], partial=partial)
     try:
         for group in group_by_bytes(named, bucket_bytes):
             refit.load(group)

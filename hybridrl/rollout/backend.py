@@ -24,7 +24,8 @@ TRAINER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 class RolloutBackend(Protocol):
     @property
     def weight_version(self) -> int:
-        """+1 per complete weight update; the backend is its only writer."""
+        """The version of the weights held: the one the last complete update was handed
+        (``finish_weight_update(version=...)``; +1 when none was); 0 = never loaded."""
 
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> Rollouts: ...
@@ -33,7 +34,7 @@ class RolloutBackend(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
 
-    def finish_weight_update(self, check=None) -> int: ...
+    def finish_weight_update(self, check=None, *, version: int | None = None) -> int: ...
 
     def abort_weight_update(self) -> None: ...
 
@@ -124,14 +125,32 @@ class WeightUpdateBracket:
         self._weight_version = int(state["weight_version"])
 
     @contextlib.contextmanager
-    def weight_update(self, check: Callable[[], None] | None = None) -> Iterator["WeightUpdateBracket"]:
+    def weight_update(self, check: Callable[[], None] | None = None, *,
+                      version: int | None = None) -> Iterator["WeightUpdateBracket"]:
         self.begin_weight_update()
         try:
             yield self
         except BaseException:
             self.abort_weight_update()
             raise
-        self.finish_weight_update(check)
+        self.finish_weight_update(check, version=version)
+
+
+def next_weight_version(current: int, version: int | None) -> int:
+    """The version a complete weight update records: ``version`` as handed down by its one
+    owner (the trainer's batch source, which publishes the weights), or ``current + 1``
+    when none is (standalone use: tests, ``from_pretrained``)."""
+    if version is None:
+        return current + 1
+    check_weight_version(version)
+    return version
+
+
+def check_weight_version(version: int) -> None:
+    """A weight version handed to an engine is an int >= 1 (0 means "never loaded")."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"weight update: version={version!r} must be an int >= 1 (the published weight "
+                         "version) or None (the engine's version + 1)")
 
 
 def bucket_problems(routes, named_tensors: Iterable[tuple[str, torch.Tensor]], written

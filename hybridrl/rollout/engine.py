@@ -7,8 +7,8 @@ waits for the step in flight (one lock), holds every in-flight request while it 
 (their KV recomputed with the new weights, or kept: ``kv_on_refit``).
 
 Weights change only through the engine's own weight-update bracket (``weight_update.py``):
-``begin_weight_update()`` -> ``load_weights(bucket)``* -> ``finish_weight_update()``. The
-engine is the only writer of ``weight_version`` (+1 per complete update) and captures its
+``begin_weight_update()`` -> ``load_weights(bucket)``* -> ``finish_weight_update(version=)``.
+The engine records the ``weight_version`` it is handed (+1 when none is) and captures its
 CUDA graphs at the first complete update, whichever path it came through (a first
 ``load_weights``, ``from_pretrained`` or a refit).
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests
+from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests, next_weight_version
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.layers.quantization import get_linear_method
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
@@ -98,7 +98,7 @@ class RolloutEngine(WeightUpdateBracket):
             attach_adapters(self.model, WeightRoutes(self.model), spec.lora, self.dtype)
         self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
         self._update = WeightUpdate(self.model, self.weight_routes)
-        self._weight_version = 0  # written only by _commit_weight_update
+        self._weight_version = 0  # written only by _commit_weight_update (and load_state_dict)
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and self.config.v4 is None
         self.scheduler = Scheduler(self.runner, self.config.vocab_size, lambda: self._weight_version,
                                    max_prefill_tokens=max_prefill_tokens,
@@ -110,7 +110,7 @@ class RolloutEngine(WeightUpdateBracket):
     # ---- weights: the update bracket ------------------------------------------------
     @property
     def weight_version(self) -> int:
-        """Number of complete weight updates so far (0 = never loaded); stamped on every `Rollouts`."""
+        """The version the last complete update recorded (0 = never loaded); stamped on every `Rollouts`."""
         return self._weight_version
 
     @property
@@ -137,15 +137,20 @@ class RolloutEngine(WeightUpdateBracket):
         with self.weight_update():
             return self._update.load(named_tensors)
 
-    def finish_weight_update(self, check: Callable[[], None] | None = None) -> int:
+    def finish_weight_update(self, check: Callable[[], None] | None = None, *, version: int | None = None) -> int:
         """Close the update: inference layouts, then derived caches, in place; then require
         every expected name written and run `check()` (e.g. refit's verifier). Only if all
-        pass: `weight_version` += 1 (returned) and, the first time, CUDA-graph capture.
-        On any error the update is closed and nothing is committed.
+        pass: `weight_version` = `version` (the publisher's; None: += 1), returned, and, the
+        first time, CUDA-graph capture. On any error the update is closed and nothing is committed.
         """
         with self._lock:
+            try:
+                new_version = next_weight_version(self._weight_version, version)
+            except ValueError:
+                self._update.abort()
+                raise
             self._update.finish(check)
-            return self._commit_weight_update()
+            return self._commit_weight_update(new_version)
 
     def abort_weight_update(self) -> None:
         """Close an open update without committing (layouts and caches made consistent);
@@ -153,8 +158,8 @@ class RolloutEngine(WeightUpdateBracket):
         with self._lock:
             self._update.abort()
 
-    def _commit_weight_update(self) -> int:
-        self._weight_version += 1
+    def _commit_weight_update(self, version: int) -> int:
+        self._weight_version = version
         self.scheduler.on_weights_changed(self._weight_version)
         # Graphs capture real weights' kernels (the warm-up runs them), so they wait for the
         # first complete update; later updates write in place and keep every captured address.

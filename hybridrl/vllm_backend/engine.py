@@ -15,8 +15,9 @@ built-in engine's:
 - ``finish_weight_update`` requires every expected name, then runs **vLLM's own reload
   path** once (``reload_weights`` with the staged pairs: its layer-wise loaders, then its
   packing), then checks the reload (below), then the caller's ``check`` (refit's
-  verifier); only then ``weight_version += 1``. An incomplete update (or ``abort``) never
-  touched vLLM: the engine keeps serving the previous weights, version unchanged.
+  verifier); only then ``weight_version = version`` (+1 when none is handed). An
+  incomplete update (or ``abort``) never touched vLLM: the engine keeps serving the
+  previous weights, version unchanged.
 - **A reload is checked every time** (reload_check.py; it reads each weight twice): each
   packed linear layer's output on a fixed input must match ``x @ Wᵀ`` of what it must hold
   (fused shards in their rows; FP8: the sent weight's quantization), and every other weight
@@ -61,7 +62,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from hybridrl.rollout.backend import (EngineSpec, WeightUpdateBracket, bucket_problems, describe_problems,
-                                      expand_requests, listing)
+                                      expand_requests, listing, next_weight_version)
 from hybridrl.rollout.compile import keyed_inductor_cache
 from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.rollouts import Rollouts
@@ -205,7 +206,7 @@ class VllmEngine(WeightUpdateBracket):
     # ---- weights: the update bracket ------------------------------------------------
     @property
     def weight_version(self) -> int:
-        """Number of complete weight updates so far (0 = placeholder weights); on every `Rollouts`."""
+        """The version the last complete update recorded (0 = placeholder weights); on every `Rollouts`."""
         return self._weight_version
 
     @property
@@ -233,19 +234,21 @@ class VllmEngine(WeightUpdateBracket):
         with self.weight_update():
             return self._stage(named_tensors)
 
-    def finish_weight_update(self, check: Callable[[], None] | None = None) -> int:
+    def finish_weight_update(self, check: Callable[[], None] | None = None, *, version: int | None = None) -> int:
         """Completeness, then vLLM's reload, then the reload check, then ``check()``; only if
-        all pass ``weight_version += 1`` (returned). The update is closed whatever happens."""
+        all pass ``weight_version = version`` (the publisher's; None: += 1), returned. The
+        update is closed whatever happens."""
         if self._staged is None:
             raise WeightUpdateError("finish: no weight update in progress; call engine.begin_weight_update() first")
         staged, self._staged = self._staged, None
         try:
+            new_version = next_weight_version(self._weight_version, version)
             self._reload(staged, check)
         except BaseException:
             # nothing committed: held requests continue (or, if the weights broke, wait: step refuses)
             self.requests.after_update(committed=False)
             raise
-        self._weight_version += 1
+        self._weight_version = new_version
         # recompute / keep the requests in flight, reset vLLM's prefix cache (its cached KV
         # blocks were computed with the old weights) when vLLM allows it, submit held requests
         self.requests.after_update(committed=True)

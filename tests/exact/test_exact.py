@@ -40,7 +40,8 @@ def _exact_round_trip(model, vocab: int, seed: int, *, temperature=1.0, top_p=1.
     params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=rng.randint(*max_tokens), seed=s)
               for s in range(64)]
     engine = ExactEngine(model, max_batch_size=24, max_seq_len=64, pad_token_id=0)
-    engine.advance_version()
+    engine.begin_weight_update()
+    engine.finish_weight_update()
     ro = engine.generate(prompts, params)
     with batch_invariant():
         old, _ = logprobs_in_microbatches(model, ro.input_ids.to(device), ro.attention_mask.to(device),
@@ -118,10 +119,33 @@ def test_exact_on_cuda(dtype):
     _exact_round_trip(model, len(TOK), seed=5, device="cuda")
 
 
+def test_the_weight_update_bracket_records_the_version_it_is_handed():
+    from hybridrl.rollout.weight_update import WeightUpdateError
+
+    engine = ExactEngine(builtin_model(TOK, ModelConfig(**SMALL), seed=8), max_batch_size=2, max_seq_len=16)
+    with pytest.raises(WeightUpdateError, match="no weight update in progress"):
+        engine.finish_weight_update()
+    engine.begin_weight_update()
+    assert engine.weight_update_in_progress
+    with pytest.raises(ValueError, match="nothing to load"):
+        engine.load_weights([])
+    assert engine.finish_weight_update(version=7) == engine.weight_version == 7
+    engine.begin_weight_update()
+    assert engine.finish_weight_update() == 8  # none handed: +1
+    engine.begin_weight_update()
+    with pytest.raises(ValueError, match="version=0 must be an int >= 1"):
+        engine.finish_weight_update(version=0)
+    assert engine.weight_version == 8 and not engine.weight_update_in_progress
+    engine.begin_weight_update()
+    engine.abort_weight_update()
+    assert engine.weight_version == 8 and not engine.weight_update_in_progress
+
+
 def test_a_request_alone_equals_it_in_a_batch():
     model = builtin_model(TOK, ModelConfig(**SMALL), seed=8)
     engine = ExactEngine(model, max_batch_size=32, max_seq_len=64)
-    engine.advance_version()
+    engine.begin_weight_update()
+    engine.finish_weight_update()
     rng = random.Random(3)
     prompts = _prompts(rng, 20, len(TOK))
     params = [SamplingParams(max_tokens=12, seed=s) for s in range(20)]

@@ -18,14 +18,14 @@ BUCKET = 96 << 10  # smaller than the embedding (256 KiB in fp64): it goes alone
 TIMEOUT_S = 120
 
 
-def _trainer(channel, seed, device, delay_cycles=0):
+def _trainer(channel, seed, device, delay_cycles=0, version=None):
     hf = hf_model(qwen2_config(), seed=0)
     perturb(hf, seed=seed)
     named = [(n, p.detach().to(device)) for n, p in hf.named_parameters()]
     if delay_cycles:  # a long kernel ahead of the packing copies: they finish late
         torch.cuda.synchronize()
         torch.cuda._sleep(delay_cycles)
-    send_refit(channel, named, timeout_s=TIMEOUT_S)
+    send_refit(channel, named, timeout_s=TIMEOUT_S, version=version)
 
 
 def _dies_at_once(channel):
@@ -83,6 +83,14 @@ def _assert_matches(eng, hf, device="cpu"):
 def test_shared_memory_two_processes():
     eng, hf = _run("cpu")
     _assert_matches(eng, hf)
+
+
+def test_the_engine_records_the_version_the_trainer_sends():
+    eng = engine(qwen2_config())
+    stats, proc = _serve_one(_trainer, (1, "cpu", 0, 7), eng)
+    assert proc.exitcode == 0 and stats.version == eng.weight_version == 7
+    with pytest.raises(ValueError, match="version=0 must be an int >= 1"):  # refused before anything is sent
+        send_refit(make_channel(BUCKET)[1], [], version=0)
 
 
 def test_dead_trainer_process_is_reported_not_waited_for():

@@ -129,6 +129,18 @@ def test_bad_bucket_is_rejected_before_anything_is_staged(engine, tiny_checkpoin
     assert engine.weight_version == v0 + 1
 
 
+def test_a_refit_records_the_version_it_is_handed(engine, tiny_checkpoint):
+    _, tok, model = tiny_checkpoint
+    v0 = engine.weight_version
+    stats = refit_from_model(engine, model, version=v0 + 9)
+    assert stats.version == engine.weight_version == v0 + 9
+    assert engine.generate(encode(tok)[:1], SamplingParams(max_tokens=2)).weight_version == v0 + 9
+    with pytest.raises(ValueError, match="version=0 must be an int >= 1"):
+        with engine.weight_update(version=0):
+            engine.load_weights(model.named_parameters())
+    assert engine.weight_version == v0 + 9 and not engine.weight_update_in_progress
+
+
 def test_bracket_order_is_enforced(engine, tiny_checkpoint):
     _, tok, _ = tiny_checkpoint
     with pytest.raises(WeightUpdateError, match="no weight update in progress"):
