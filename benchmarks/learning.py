@@ -105,6 +105,7 @@ class Evaluator:
     def __init__(self, run):
         from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
         from hybridrl.trainer.rollout_worker import RolloutWorker
+        from hybridrl.trainer.weight_sync import WeightSyncSpec
 
         cfg, model = run.cfg, run.policy
         self.tokenizer, self.eval_set = run.tokenizer, run.eval_set
@@ -117,14 +118,14 @@ class Evaluator:
         sampling = SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_tokens,
                                   stop_token_ids=(eos,) if eos is not None else ())
         self.worker = RolloutWorker(engine, sampling, device=next(model.parameters()).device,
-                                     bucket_bytes=64 << 20, verify_refit=False)
+                                     sync=WeightSyncSpec(bucket_bytes=64 << 20, verify=False))
         self.seconds = 0.0
 
     def __call__(self, model: torch.nn.Module) -> float:
         from hybridrl.rewards.registry import exact_match
 
         t0 = time.perf_counter()
-        self.worker.refit(model)
+        self.worker.push(model, self.worker.version + 1)
         out = self.worker.greedy(self.eval_set.prompts)
         texts = self.tokenizer.batch_decode(out.response_token_ids, skip_special_tokens=True)
         acc = sum(exact_match(t, a) for t, a in zip(texts, self.eval_set.answers)) / max(len(texts), 1)

@@ -92,3 +92,21 @@ def trajectories_to_rollouts(trajs: list[Trajectory], pad_token_id: int = 0) -> 
     ro.response_mask, ro.token_versions = mask, tv
     ro.logprobs = ro.logprobs * mask  # 0.0 off the sampled tokens (build_rollouts filled every "response" slot)
     return ro
+
+
+def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Turns, tool calls and errors by kind, truncated / failed shares, trained-token share, env time."""
+    B = max(1, len(trajs))
+    errors: Counter = Counter()
+    for t in trajs:
+        errors.update(t.tool_errors)
+    total_tokens = sum(len(t.ids) - len(t.prompt_ids) for t in trajs)
+    out = {"agent/turns": sum(t.num_turns for t in trajs) / B,
+           "agent/tool_calls": sum(t.tool_calls for t in trajs) / B,
+           "agent/tool_errors": sum(errors.values()) / B,
+           "agent/truncated": sum(t.status == "truncated" for t in trajs) / B,
+           "agent/failed": sum(t.status == "failed" for t in trajs) / B,
+           "agent/trained_token_share": sum(t.trained_tokens for t in trajs) / max(1, total_tokens),
+           "agent/env_seconds": sum(t.env_seconds for t in trajs)}
+    out.update({f"agent/tool_errors/{kind.replace(' ', '_')}": n / B for kind, n in errors.items()})
+    return out

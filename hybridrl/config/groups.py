@@ -220,6 +220,12 @@ class EnvConfig:
     parser: str = _f("hermes", "tool-call format: hermes (<tool_call>{json}</tool_call>) or path/to/file.py:fn")
     system_prompt: str | None = _f(None, "a system message opening every episode")
     discount: float = _f(1.0, "environment turn rewards: 1 = summed, < 1 = discounted from the last turn back")
+    overlap: bool = _f(True, "environment / tool calls run beside decoding (an episode waiting for its tool does not "
+                             "hold the engine's step; episodes then continue in the order their tools finish) | "
+                             "false: the turns that finished at an engine step are answered before the next step "
+                             "(reproducible bit for bit, tool time not hidden)")
+    latency_ms: float = _f(0.0, "benchmarks: every environment / tool call lasts at least this long (the rest slept), "
+                                "emulating slow tools (search, code execution); 0 = off")
 
     def __post_init__(self) -> None:
         check_number(self.max_turns, "env.max_turns", low=1)
@@ -230,6 +236,7 @@ class EnvConfig:
         check_number(self.workers, "env.workers", low=1)
         check_number(self.memory_limit_mb, "env.memory_limit_mb", low=1, hint="or null for no limit")
         check_number(self.discount, "env.discount", low=0, high=1)
+        check_number(self.latency_ms, "env.latency_ms", low=0)
 
 
 @dataclass(kw_only=True)
@@ -256,9 +263,6 @@ class Config:
             raise ConfigError("data.task=calculator is a multi-turn agent task: set "
                               "env.name=hybridrl.agents.examples.calculator:Calculator (or use "
                               "--config examples/calculator_agent.yaml)")
-        if self.env.name is not None and self.algo.dapo.dynamic_sampling:
-            raise ConfigError("algo.dapo.dynamic_sampling with env.name: refilling a batch with episodes is not "
-                              "supported yet; turn one of them off")
         batch = self.batch.prompts_per_step * self.rollout.n
         if self.batch.mini_batch_size is None:
             self.batch.mini_batch_size = batch
@@ -292,15 +296,9 @@ class Config:
             if ranks % tp:
                 raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {ranks} ranks (launcher."
                                   f"nproc_per_node / num_workers); use a divisor of {ranks}")
-            if self.env.name is not None and tp > 1:
-                raise ConfigError("rollout.tensor_parallel_size > 1 with env.name: agent episodes step their "
-                                  "engine per rank, not per group, for now; use rollout.tensor_parallel_size=1")
-            if self.algo.dapo.refill_rounds:
-                raise ConfigError("algo.dapo.refill_rounds > 0 is single-process only for now (ranks would refill "
-                                  "different numbers of rounds); set it to 0 with several ranks")
-        self._check_pipeline()
         self._check_lora()
-        self._check_exact()
+        if self.rollout.exact_recompute and not self.rollout.exact:
+            raise ConfigError("rollout.exact_recompute checks rollout.exact; set rollout.exact=true")
         if not self.data.train_files and self.batch.prompts_per_step > self.data.train_size:
             raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} exceeds "
                               f"data.train_size={self.data.train_size}; lower it or add prompts")
@@ -326,49 +324,5 @@ class Config:
             raise ConfigError(f"rollout.quantization={r.quantization} with rollout.lora_mode=adapter: the FP8 "
                               "rollout weights would be the base's while the adapters stay full precision; use "
                               "rollout.lora_mode=merged (the merged weights are re-quantized at each refit)")
-
-    def _check_exact(self) -> None:
-        """What rollout.exact cannot hold (it samples with the trainer's modules, in one process)."""
-        r = self.rollout
-        if r.exact_recompute and not r.exact:
-            raise ConfigError("rollout.exact_recompute checks rollout.exact; set rollout.exact=true")
-        if not r.exact:
-            return
-        unsupported = {
-            f"rollout.backend={r.backend}": (r.backend != "builtin", "vLLM's kernels are not batch-invariant"),
-            f"rollout.quantization={r.quantization}": (r.quantization is not None, "quantized rollout weights "
-                                                                                      "are another policy"),
-            f"rollout.tensor_parallel_size={r.tensor_parallel_size}": (r.tensor_parallel_size > 1,
-                                                                      "split reductions are not the trainer's"),
-            f"trainer.mode={self.trainer.mode}": (self.trainer.mode != "sync", "stale weights are not on-policy"),
-            f"launcher ranks={self.launcher.ranks}": (self.launcher.ranks > 1, "the exact engine runs the trainer's "
-                                                                               "unsharded modules, one process"),
-            f"model.arch={self.model.arch}": (self.model.arch == "deepseek_v4", "its compressed attention runs "
-                                                                              "padded only, not through the exact "
-                                                                              "attention"),
-            "env.name": (self.env.name is not None, "agent episodes step the built-in engine's requests"),
-        }
-        for key, (bad, why) in unsupported.items():
-            if bad:
-                raise ConfigError(f"rollout.exact with {key}: not supported ({why}); set rollout.exact=false or "
-                                  "drop that setting")
-
-    def _check_pipeline(self) -> None:
-        """What trainer.mode one_step_off / async do not cover (yet), each refused in one line."""
-        mode = self.trainer.mode
-        if mode == "sync":
-            return
-        unsupported = {
-            "env.name": (self.env.name is not None, "agent episodes are sampled by the trainer's episode runner"),
-            "algo.dapo.dynamic_sampling": (self.algo.dapo.dynamic_sampling, "refill rounds need a synchronous "
-                                                                            "sampler"),
-            f"launcher ranks={self.launcher.ranks}": (self.launcher.ranks > 1, "one trainer process feeds the "
-                                                                              "workers for now"),
-        }
-        for key, (bad, why) in unsupported.items():
-            if bad:
-                raise ConfigError(f"trainer.mode={mode} with {key}: not supported yet ({why}); use trainer.mode=sync "
-                                  "or turn it off")
-
 
 GROUPS: dict[str, type] = typing.get_type_hints(Config)

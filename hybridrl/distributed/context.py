@@ -102,3 +102,26 @@ def all_gather_floats(values: torch.Tensor) -> torch.Tensor:
     out = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(out, values)
     return torch.cat(out).cpu()
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's ``value``."""
+    t = torch.tensor([value], dtype=torch.long, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def union_of_keys(metrics: dict[str, float], missing: float = 0.0) -> dict[str, float]:
+    """``metrics`` with every key some rank logged (``missing`` where this rank did not: a
+    count of a kind it never saw, e.g. ``agent/tool_errors/<kind>``)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(metrics))
+    keys = set().union(*every)
+    return {k: metrics.get(k, missing) for k in sorted(keys)}
+
+
+def all_gather_values(values: list[float]) -> list[float]:
+    """Every rank's list (any lengths), concatenated in rank order."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, list(values))
+    return [v for part in every for v in part]

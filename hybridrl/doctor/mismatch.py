@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridrl.config import Config
-from hybridrl.doctor.gap import ENTROPY_EDGES, POSITION_EDGES, gap_by, response_positions, token_gap
+from hybridrl.algos.gap import ENTROPY_EDGES, POSITION_EDGES, gap_by, response_positions, token_gap
 
 
 @dataclass
@@ -134,7 +134,7 @@ def _truncation_kl(engine, ro, temperature: float, top_k: int, top_p: float) -> 
 
 def _staleness(cfg: Config, step, ro, old: torch.Tensor, mask: torch.Tensor, seed: int, trainer) -> Cause:
     """What a batch ``s = pipeline.max_staleness`` versions old adds (one_step_off: s = 1):
-    ``s`` synchronous steps of the job move the trainer on, then it scores this batch's tokens
+    ``s`` steps of the job (its own batch source) move the trainer on, then it scores this batch's tokens
     again; the KL between the two trainer scorings is the policy's drift over ``s`` updates
     on these tokens. Shown alongside (not part of the sum). Runs last: it trains the doctor's
     scratch copy of the job."""
@@ -145,17 +145,14 @@ def _staleness(cfg: Config, step, ro, old: torch.Tensor, mask: torch.Tensor, see
     if s == 0:
         return Cause("staleness", f"{mode}, max_staleness=0", 0.0, additive=False,
                      note="every batch is sampled by the weights it trains")
-    pipeline, step.pipeline = step.pipeline, None  # s steps of the same recipe, synchronously
-    try:
-        rng = random.Random(seed + 1)
+    try:  # s steps of the job itself (its batch source started here), then the trainer again
+        step.start(random.Random(seed + 1), first_step=1)
         for _ in range(s):
-            step(rng)
+            step()
         later, _ = trainer()
     except Exception as e:  # noqa: BLE001 - the rest of the diagnosis stands; this one cause says why
         return Cause("staleness", f"{mode}, max_staleness={s}", None, additive=False,
                      note=f"not measured: {s} steps of the job failed ({type(e).__name__}: {e})".splitlines()[0])
-    finally:
-        step.pipeline = pipeline
     return Cause("staleness", f"{mode}, max_staleness={s}", token_gap(old, later, mask)["kl"],
                  additive=False, note=f"KL of the trainer {s} update(s) later vs now on these tokens (measured: "
                                       f"{s} steps of this job); algo.correction.tis_cap corrects it")
@@ -165,7 +162,7 @@ def diagnose(cfg: Config, step, *, seed: int = 0, engine_temperature: float | No
     """Measure the gap of one batch of ``step``'s job (an ``RLStep`` after its warm start).
     ``engine_temperature``: sample and score the engine at this temperature instead of
     ``rollout.temperature`` (an injected mismatch: the trainer still scores at the job's)."""
-    from hybridrl.job.engine_factory import build_engine
+    from hybridrl.pipeline.engines import build_engine
     from hybridrl.refit import refit_from_model
     from hybridrl.trainer.logprobs import logprobs_in_microbatches
 
@@ -308,11 +305,13 @@ def _exact_gap(cfg: Config, step, prompts, params, job_seconds: float) -> str | 
     r = cfg.rollout
     if r.exact:
         return None
+    from hybridrl.pipeline.engines import check_engine_choice
+
     try:
         probe = copy.deepcopy(cfg)
         probe.rollout.exact, probe.rollout.backend, probe.rollout.quantization = True, "builtin", None
         probe.rollout.tensor_parallel_size = 1
-        probe._check_exact()
+        check_engine_choice(probe)
     except ValueError as e:
         return f"rollout.exact is not available here: {e}"
     from hybridrl.exact import batch_invariant

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridrl.config import Config, DataConfig
 from hybridrl.distributed.context import DistContext
-from hybridrl.pipeline.engines import adapter_spec, build_engine
+from hybridrl.pipeline.engines import build_engine, check_engine_choice
 from hybridrl.job.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
@@ -47,6 +47,20 @@ class Run:
     console: Console
     # the agent task's warm start instead: multi-turn demonstrations (job/demonstrations.py)
     sft_demos: "TeacherDemos | None" = None
+    _eval_runner: object = None  # env.name: the eval's EpisodeRunner, built at the first eval
+
+    def eval_episodes(self):
+        """Greedy / sampled episodes for the held-out eval on the trainer's engine at the
+        current version, with an environment pool of their own."""
+        self.step.fresh_rollout()  # caught up to the current version
+        if self._eval_runner is None:
+            self._eval_runner = eval_episode_runner(self.cfg, self.step.rollout, self.tokenizer)
+        return self._eval_runner
+
+    def close_eval_episodes(self) -> None:
+        if self._eval_runner is not None:
+            self._eval_runner.env_pool.close()
+            self._eval_runner = None
 
     @property
     def policy(self) -> PreTrainedModel:
@@ -73,6 +87,10 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     from hybridrl.checkpoint.train_state import checkpoint_step
     from hybridrl.job.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
 
+    from hybridrl.pipeline.build import check_composable
+
+    check_engine_choice(cfg)  # refusals first: nothing is built for a run that cannot work
+    check_composable(cfg)
     main = dp is None or dp.is_main
     if console is None:
         from tqdm.auto import tqdm
@@ -122,10 +140,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         raise
     try:
         longest = max(len(p) for p in train_set.prompts + eval_set.prompts)  # the engine serves both
-        step = _step(cfg, model, tokenizer, runner, train_set, longest, device, dp)
-        if cfg.trainer.mode != "sync":
-            step.pipeline = build_pipeline(cfg, model.config, step, longest_prompt=longest, device=device,
-                                           console=console)
+        step = _step(cfg, _Parts(model, tokenizer, device, dp, console), runner, train_set, longest)
         resume_after = checkpoint_step(directory.resume_from) if directory.resume_from is not None else None
         log = MetricsLog(directory.path, tensorboard=cfg.logging.tensorboard, resume_after=resume_after,
                          write=dp is None or dp.is_main)
@@ -158,14 +173,26 @@ def _open_dir(cfg: Config, dp: DistContext | None) -> RunDir:
     return directory if directory is not None else RunDir(Path(t.output_dir).resolve() / t.run_name, box[1], -1)
 
 
-def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_prompt: int, device: torch.device,
-          dp: DistContext | None) -> RLStep:
-    """The components, each built from the run's config in one call, and the step over them."""
+@dataclass
+class _Parts:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dp: DistContext | None
+    console: Console
+
+
+def _step(cfg: Config, parts: _Parts, runner, train_set: PromptSet, longest_prompt: int) -> RLStep:
+    """The components, each built from the run's config in one call, the batch source over
+    the trainer's engine (``pipeline/build.py``), and the step over them; the source then
+    publishes the policy once (the engine's first load is a refit)."""
+    from hybridrl.pipeline.build import SourceParts, build_source
     from hybridrl.trainer.actor import Actor
     from hybridrl.trainer.critic import Critic
     from hybridrl.trainer.rollout_worker import RolloutWorker
     from hybridrl.trainer.scoring import RewardScorer
 
+    model, tokenizer, device, dp = parts.model, parts.tokenizer, parts.device, parts.dp
     mesh = None
     if cfg.rollout.tensor_parallel_size > 1:
         from hybridrl.distributed.mesh import build_rollout_mesh
@@ -181,90 +208,47 @@ def _step(cfg: Config, model, tokenizer, runner, train_set: PromptSet, longest_p
         lora = apply_lora(model, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
                           target_modules=spec.target_modules, init=spec.init)
         model = lora.model
-    engine = build_engine(cfg, model.config, device=device, ranks=dp.world_size if dp is not None else 1,
-                          longest_prompt=longest_prompt, tensor_parallel=mesh.tp if mesh is not None else None,
-                          lora=lora, policy=model)
+    ranks = dp.world_size if dp is not None else 1
+    engine = build_engine(cfg, model.config, device=device, ranks=ranks, longest_prompt=longest_prompt,
+                          tensor_parallel=mesh.tp if mesh is not None else None, lora=lora, policy=model)
     actor = Actor.from_config(model, cfg)
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
-                                        device=device, mesh=mesh, lora=lora)
-    rollout.refit(model)  # first load = the refit path
+                                        device=device, sharded=dp is not None, mesh=mesh, lora=lora)
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
-    step = RLStep(rollout=rollout, scorer=RewardScorer(runner, tokenizer), actor=actor, critic=critic,
-                  train_set=train_set, algo=cfg.algo, shape=BatchShape.from_config(cfg, tokenizer.pad_token_id or 0),
-                  dp=dp)
-    step.exact_recompute = cfg.rollout.exact_recompute
-    step.mismatch_report_every = cfg.trainer.mismatch_report_every
-    if cfg.env.name is not None:
-        step.episodes = build_episode_sampler(cfg, engine, tokenizer, step.scorer, rollout.sampling)
-    return step
+    scorer = RewardScorer(runner, tokenizer)
+    pad_id = tokenizer.pad_token_id or 0
+    source = build_source(cfg, SourceParts(local=rollout, groups=group_kind(cfg, train_set, scorer, rollout, pad_id),
+                                           tokenizer=tokenizer, hf_config=model.config,
+                                           longest_prompt=longest_prompt, device=device, console=parts.console,
+                                           ranks=ranks))
+    source.publish(model)  # first load = the refit path
+    return RLStep(source=source, scorer=scorer, actor=actor, critic=critic, train_set=train_set, algo=cfg.algo,
+                  shape=BatchShape.from_config(cfg, pad_id), dp=dp)
 
 
-def build_pipeline(cfg: Config, hf_config, step: RLStep, *, longest_prompt: int, device: torch.device,
-                   console: Console):
-    """``trainer.mode`` one_step_off / async: the pipeline of rollout workers
-    (``pipeline.*``), each with its own engine built like the run's; not started yet
-    (``RLStep.start_pipeline`` does, after the warm start or the resume)."""
-    from hybridrl.pipeline.coordinator import Pipeline
-    from hybridrl.pipeline.producers import LocalProducer, RemoteProducer
-    from hybridrl.pipeline.worker import WorkerSpec
-    from hybridrl.trainer.rollout_worker import RolloutWorker
+def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int):
+    """What one prompt group is: ``rollout.n`` samples, or with ``env.name`` ``rollout.n`` episodes."""
+    from hybridrl.pipeline.tasks import EpisodeGroups, SingleTurnGroups
 
-    p, t = cfg.pipeline, cfg.trainer
-    lora = step.rollout.lora  # LoRA: every producer's refits send the adapters (or merged targets)
-    if p.placement == "colocated":
-        def make_producer(i, sink, wake):
-            engine = build_engine(cfg, hf_config, device=device, ranks=1, longest_prompt=longest_prompt, lora=lora)
-            worker = RolloutWorker(engine, step.rollout.sampling, device=device,
-                                   bucket_bytes=cfg.refit.bucket_mb << 20, verify_refit=cfg.refit.verify,
-                                   lora=lora, lora_mode=cfg.rollout.lora_mode)
-            return LocalProducer(i, worker, sink, wake, step_latency_s=cfg.rollout.step_latency_ms / 1000)
-    else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        share = max(1, cores // (p.workers + 1))  # the cores this process may run on, split evenly
-        threads = p.worker_threads or t.threads or share
-        if t.threads == 0:
-            torch.set_num_threads(share)
-        spec = WorkerSpec(cfg=cfg, hf_config=hf_config, device=str(device), longest_prompt=longest_prompt,
-                          threads=threads, step_latency_s=cfg.rollout.step_latency_ms / 1000, verify=cfg.refit.verify,
-                          timeout_s=p.timeout_s, adapter=adapter_spec(lora, cfg.rollout.lora_mode))
+    if cfg.env.name is None:
+        return SingleTurnGroups(train_set, scorer, rollout.sampling, pad_id=pad_id)
+    from hybridrl.agents.environment import environment_kind, load_environment
 
-        if cfg.launcher.name == "ray":  # rollout workers as Ray actors, placed by Ray (weights: object store)
-            from hybridrl.pipeline.ray_producer import RayProducer
-
-            def make_producer(i, sink, wake):
-                return RayProducer(i, spec, sink, wake, cpus=threads, gpus=1 if device.type == "cuda" else 0,
-                                   lora=lora)
-        else:
-            def make_producer(i, sink, wake):
-                return RemoteProducer(i, spec, sink, wake, bucket_bytes=cfg.refit.bucket_mb << 20, lora=lora)
-    one_step_off = t.mode == "one_step_off"
-    placement = ("a thread of the trainer process" if p.placement == "colocated" else
-                 "Ray actors" if cfg.launcher.name == "ray" else "processes (weights by shared memory)")
-    return Pipeline(placement=placement, make_producer=make_producer, workers=p.workers, train_set=step.train_set,
-                    score=step.scorer.score, sampling=step.rollout.sampling,
-                    prompts_per_step=cfg.batch.prompts_per_step, max_staleness=1 if one_step_off else p.max_staleness,
-                    partial=not one_step_off, timeout_s=p.timeout_s, restarts=p.worker_restarts,
-                    pad_id=step.shape.pad_id, device=device, console=console)
+    tools = environment_kind(load_environment(cfg.env.name)) == "tools"
+    return EpisodeGroups(train_set, scorer, n=cfg.rollout.n, pad_id=pad_id, scores_final_answer=tools,
+                         discount=cfg.env.discount, failure_reward=cfg.reward.failure_reward)
 
 
-def build_episode_sampler(cfg: Config, engine, tokenizer, scorer, sampling):
-    """``env.*``: the environment pool, the chat renderer (checked: the template must render a
-    conversation as its turns appended) and the episode runner on the run's engine."""
-    from hybridrl.agents.chat_render import ChatRenderer, check_template
-    from hybridrl.agents.env_pool import EnvPool
-    from hybridrl.agents.episodes import EpisodeLimits, EpisodeRunner
-    from hybridrl.trainer.episode_sampler import EpisodeSampler
+def eval_episode_runner(cfg: Config, rollout, tokenizer):
+    """Episodes for the held-out eval on ``rollout``'s engine, with an environment pool of
+    their own (the training producers' pools serve their own engines)."""
+    from hybridrl.agents.chat_render import ChatRenderer
+    from hybridrl.agents.episodes import EpisodeRunner
+    from hybridrl.pipeline.engines import env_pool, episode_limits
 
-    e = cfg.env
-    pool = EnvPool(e.name, workers=e.workers, timeout_s=e.timeout_s, memory_limit_mb=e.memory_limit_mb,
-                   max_tool_calls=e.max_tool_calls, parser=e.parser, system_prompt=e.system_prompt)
-    renderer = ChatRenderer(tokenizer, pool.schemas)
-    check_template(renderer, name=f"the tokenizer's ({cfg.model.path or 'built-in'})")
-    limits = EpisodeLimits(max_turns=e.max_turns, tool_response_tokens=e.tool_response_tokens,
-                           context_tokens=e.context_tokens)
-    runner = EpisodeRunner(engine, pool, renderer, tokenizer, sampling, limits)
-    return EpisodeSampler(runner, scorer, scores_final_answer=pool.kind == "tools", discount=e.discount,
-                          failure_reward=cfg.reward.failure_reward)
+    pool = env_pool(cfg)
+    return EpisodeRunner(rollout.engine, pool, ChatRenderer(tokenizer, pool.schemas), tokenizer, rollout.sampling,
+                         episode_limits(cfg))
 
 
 def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tuple]:

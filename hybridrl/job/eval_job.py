@@ -16,6 +16,7 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
     from hybridrl.rollout import RolloutEngine
     from hybridrl.job.build import prompt_set_from_files
     from hybridrl.job.model_factory import DTYPES, check_checkpoint, load_tokenizer
+    from hybridrl.trainer.weight_sync import WeightSyncSpec
     from hybridrl.trainer.rollout_worker import RolloutWorker, sampling_params
     from hybridrl.trainer.scoring import RewardScorer
 
@@ -34,7 +35,7 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
                                            max_seq_len=longest + r.max_tokens, dtype=DTYPES[cfg.model.dtype],
                                            device=cfg.trainer.device)
     worker = RolloutWorker(engine, sampling_params(r, tokenizer.eos_token_id), device=torch.device(cfg.trainer.device),
-                           bucket_bytes=1 << 26, verify_refit=False)
+                           sync=WeightSyncSpec(bucket_bytes=1 << 26, verify=False))
     runner = RewardRunner.from_config(cfg.reward)
     try:
         result = evaluate_prompts(worker, RewardScorer(runner, tokenizer), prompts, k=cfg.eval.k,

@@ -103,7 +103,7 @@ def evaluate_episodes(runner, scorer: RewardScorer, prompts: PromptSet, *, k: in
     import dataclasses
 
     from hybridrl.agents.episodes import EpisodeRunner
-    from hybridrl.trainer.episode_sampler import episode_metrics
+    from hybridrl.agents.trajectory import episode_metrics
 
     if not len(prompts):
         return EvalResult(accuracy=float("nan"))

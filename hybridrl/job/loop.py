@@ -38,8 +38,8 @@ def evaluate(run: Run) -> EvalResult:
     """Greedy accuracy (reward > 0.5) on the held-out prompts (an agent's: on greedy
     episodes), plus pass@k / maj@k when ``eval.k > 0`` (see ``evaluation.py``)."""
     e = run.cfg.eval
-    if run.step.episodes is not None:  # an agent: greedy episodes, final answers scored
-        return evaluate_episodes(run.step.episodes.runner, run.step.scorer, run.eval_set, k=e.k,
+    if run.cfg.env.name is not None:  # an agent: greedy episodes, final answers scored
+        return evaluate_episodes(run.eval_episodes(), run.step.scorer, run.eval_set, k=e.k,
                                  temperature=e.temperature, seed=e.seed)
     return evaluate_prompts(run.step.fresh_rollout(), run.step.scorer, run.eval_set, k=e.k, temperature=e.temperature,
                             seed=e.seed)
@@ -98,7 +98,7 @@ def warm_start(run: Run, cfg: Config) -> None:
         broadcast_module_(model)
     if lora is not None and (run.step.dp is None or run.step.dp.is_main):
         save_lora_base(run)
-    run.step.rollout.refit(model)
+    run.step.source.publish(model)
 
 
 def _warm_start_steps(run: Run, cfg: Config, model, params, batch, steps: int, device) -> None:
@@ -156,8 +156,7 @@ def train(cfg: Config) -> TrainResult:
         run.step.close()  # the rollout workers of an overlapped run
         run.log.close()
         run.step.scorer.close()
-        if run.step.episodes is not None:  # the environment's worker processes
-            run.step.episodes.runner.env_pool.close()
+        run.close_eval_episodes()  # the eval's environment workers
         run.directory.close()
         close = getattr(run.step.rollout.engine, "close", None)  # vLLM's engine holds processes / a group
         if close is not None:
@@ -194,7 +193,7 @@ def _train(run: Run, cfg: Config, t_start: float) -> TrainResult:
                              f"{cfg.trainer.total_steps}); raise trainer.total_steps to continue it, or choose "
                              "another trainer.run_name")
         run.console(f"resumed from {run.directory.resume_from} at step {loop.step}")
-    run.step.start_pipeline(rng, first_step=loop.step + 1)
+    run.step.start(rng, first_step=loop.step + 1)
     estimator = cfg.algo.advantage.estimator
     main = run.step.dp is None or run.step.dp.is_main
     bar = progress_bar(range(loop.step + 1, cfg.trainer.total_steps + 1), initial=loop.step,

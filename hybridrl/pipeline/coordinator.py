@@ -1,126 +1,109 @@
-"""The trainer's side of an overlapped run: admission, the buffer of finished groups,
-weights out to the producers, and what a checkpoint must hold.
+"""The batch source of every run (``source.py``): admission, the buffer of finished
+groups, the weight version, weights out to the producers, and what a checkpoint holds.
 
-Every group (one prompt, ``n`` samples) belongs to one step from the moment it is drawn
-(``plan.py``) and is trained by exactly that step, whenever its samples finish: the batch
-of step ``s`` is its ``prompts_per_step`` groups in draw order (the synchronous order).
-Groups are admitted to the producers by the staleness rule (``staleness.py``), so the
-buffer holds at most ``max_staleness + 1`` steps of groups.
+Every group (one prompt: ``n`` samples or ``n`` agent episodes) belongs to one step from
+the moment it is drawn (``plan.py``) and is trained by exactly that step, whenever its
+samples finish: the batch of step ``s`` is its groups in draw order (the synchronous
+order). Groups are admitted to the producers by the staleness rule (``staleness.py``), so
+the buffer holds at most ``max_staleness + 1`` steps of groups. Synchronous training is
+this source at staleness 0 with one inline producer (the trainer's engine, stepped while
+the trainer waits): the same code path, not a second one.
 
-Modes: ``partial=True`` (async) refits the producers as soon as an update is published —
-their in-flight requests continue under the new weights; ``partial=False``
-(one_step_off) refits them only between batches, when the step's groups are all in.
+Publication: :meth:`publish` is the one place a weight version is decided (+1 per update;
+restored from a checkpoint). It hands the version to the producers' engines with the
+weights; an engine records it and nothing else writes it. ``partial=True`` (async)
+refits the producers at once — their in-flight requests continue under the new weights;
+otherwise (sync, one_step_off) a producer with work in flight is refit when the step's
+groups are all in.
+
+DAPO dynamic sampling is admission: when a step's groups are in and fewer than its quota
+have differing rewards, another round of prompts is admitted for that step (up to
+``algo.dapo.refill_rounds``), in every mode and on every rank for its own share.
 
 Crash consistency: :meth:`state_dict` (taken between steps) holds the steps' RNG state
-*before* the first untrained step, every finished group not yet trained (tokens,
-log-probs, versions), and the consumed ``(step, group, prompt)`` triples. A resumed run
-redraws the same steps, keeps the finished groups and regenerates only the unfinished
-ones: every prompt is trained exactly once, none lost, none twice.
+*before* the first untrained step, every finished group not yet trained, and the consumed
+``(step, group, prompt)`` triples. A resumed run redraws the same steps, keeps the finished
+groups and regenerates only the unfinished ones: every prompt is trained exactly once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
 from hybridrl.checkpoint.train_state import python_rng_state, python_rng_tuple
+from hybridrl.pipeline.groups import Group, GroupBook, restore_record
 from hybridrl.pipeline.plan import Draw, PromptPlan
 from hybridrl.pipeline.producers import ProducerError
+from hybridrl.pipeline.source import Batch, Publication, SourceSettings
 from hybridrl.pipeline.staleness import last_admissible_step, staleness_metrics
-from hybridrl.rewards import RewardBatch
-from hybridrl.rollout import SamplingParams
-from hybridrl.rollout.backend import request_seed
-from hybridrl.rollout.requests import RequestOutput
-from hybridrl.rollout.rollouts import Rollouts, rollouts_from_outputs, rollouts_to_device
-
-
-@dataclass
-class Group:
-    """One prompt's ``n`` samples, owned by one step."""
-
-    step: int
-    index: int  # position in the step's batch
-    row: int  # training-set row
-    seed: int
-    attempt: int = 0  # bumped when regenerated (a worker died): older attempts' outputs are ignored
-    producer: int | None = None
-    outputs: dict[int, RequestOutput] = field(default_factory=dict)  # sample j -> output
-    reward: Future | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.step, self.index
-
-
-@dataclass
-class Batch:
-    """What a step takes: its rows, rollouts (trainer device), rewards and pipeline metrics."""
-
-    batch_idx: list[int]
-    rollouts: Rollouts
-    rewards: RewardBatch
-    metrics: dict[str, float]
-    stale: bool  # some token was sampled with an older version than the one training it
 
 
 class Pipeline:
     """Producers fed by admission; :meth:`take` gives each step its batch."""
 
-    def __init__(self, *, make_producer: Callable[[int, Callable, Callable], object], workers: int, train_set,
-                 score: Callable[[list[list[int]], list, list[str]], RewardBatch], sampling: SamplingParams,
-                 prompts_per_step: int, max_staleness: int, partial: bool, timeout_s: float, restarts: int,
-                 pad_id: int, device: torch.device, console: Callable[[str], None], placement: str = ""):
-        self.make_producer, self.workers, self.placement = make_producer, workers, placement
-        self.train_set, self.score, self.sampling = train_set, score, sampling
-        self.n, self.prompts_per_step = sampling.n, prompts_per_step
-        self.max_staleness, self.partial = max_staleness, partial
-        self.timeout_s, self.restarts_left, self.restarts = timeout_s, restarts, restarts
-        self.pad_id, self.device, self.console = pad_id, device, console
+    def __init__(self, *, settings: SourceSettings, groups, local, make_producer: Callable,
+                 weights: Callable[[torch.nn.Module], object], device: torch.device,
+                 console: Callable[[str], None]):
+        """``groups``: the kind of group (``tasks.py``). ``local``: the trainer's own
+        ``RolloutWorker`` (eval, baselines; the inline producer's engine in sync mode).
+        ``make_producer(i, sink, wake)``: producer ``i``. ``weights(model)``: what a producer
+        is loaded from (the model, or its gathered tensors when the policy is sharded)."""
+        self.s, self.task, self.local, self.make_producer = settings, groups, local, make_producer
+        self.weights, self.device, self.console = weights, device, console
+        self.n = groups.n
+        self.book = GroupBook(self.n)
         self.producers: list = []
-        self.groups: dict[tuple[int, int], Group] = {}
         self.consumed: list[tuple[int, int, int]] = []  # (step, group, training-set row), in training order
-        self._cond = threading.Condition()
+        self._cond = self.book.cond
         self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self._restored: dict | None = None
         self._last_progress = time.monotonic()
         self._idle_seen: dict[int, float] = {}
         self._publish_pending = False
+        self._loaded = None  # what producers load from: refreshed at every publication
         self.plan: PromptPlan | None = None
-        self.version: int | None = None  # the trainer's weight version, from start() on
+        self.version = 0  # the policy's weight version: 0 = never published
+        self.rounds: dict[int, int] = {}  # step -> refill rounds admitted (DAPO dynamic sampling)
+        self.restarts_left = settings.restarts
+
+    @property
+    def started(self) -> bool:
+        return self.plan is not None
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def start(self, model: torch.nn.Module, *, draw: Draw, rng: random.Random, version: int, first_step: int) -> None:
-        """Producers up with ``model`` (weights ``version``, trained at ``first_step``), then
-        the first admissions."""
-        self.version, self.next_step, self.base = version, first_step, version - first_step
+    def start(self, model: torch.nn.Module, *, draw: Draw, rng: random.Random, first_step: int) -> None:
+        """Producers up with the current publication; step ``first_step`` trains next, its
+        prompts and every later step's drawn from ``rng`` as a synchronous run draws them."""
+        self.next_step, self.base = first_step, self.version - first_step
         self.admitted_through = first_step - 1
         if self._restored is not None:
-            saved = self._restored
-            if saved["next_step"] != first_step:
-                raise ValueError(f"checkpoint: pipeline state is for step {saved['next_step']}, the run resumes at "
-                                 f"step {first_step}; the checkpoint is inconsistent, resume from an earlier one")
-            rng.setstate(python_rng_tuple(saved["plan_rng"]))
+            self._restore(rng, first_step)
         self.plan = PromptPlan(draw, rng, first_step)
         if self._restored is not None:
             for rec in self._restored["finished"]:
-                self._restore_group(rec)
+                self._score(restore_record(self.book, rec))
             self.consumed = [tuple(x) for x in self._restored["consumed"].tolist()]
+            self.rounds = {int(k): int(v) for k, v in self._restored.get("rounds", {}).items()}
             self.console(f"pipeline: {len(self._restored['finished'])} finished prompt groups restored from the "
                          f"checkpoint (the unfinished ones of steps {first_step}+ are generated again)")
             self._restored = None
-        for i in range(self.workers):
-            self.producers.append(self._new_producer(i, model, version))
-        mode = "async (partial rollouts)" if self.partial else "one_step_off"
-        self.console(f"pipeline: {mode}, max_staleness {self.max_staleness}, {self.workers} rollout worker(s)"
-                     f"{' as ' + self.placement if self.placement else ''}")
+        self._loaded = self.weights(model)
+        for i in range(self.s.workers):
+            self.producers.append(self._new_producer(i))
+        self.console(self.s.describe())
         self._admit()
+
+    def _restore(self, rng: random.Random, first_step: int) -> None:
+        saved = self._restored
+        if saved["next_step"] != first_step:
+            raise ValueError(f"checkpoint: pipeline state is for step {saved['next_step']}, the run resumes at "
+                             f"step {first_step}; the checkpoint is inconsistent, resume from an earlier one")
+        rng.setstate(python_rng_tuple(saved["plan_rng"]))
 
     def close(self) -> None:
         for p in self.producers:
@@ -128,10 +111,45 @@ class Pipeline:
         self.producers = []
         self._scoring.shutdown(wait=False, cancel_futures=True)
 
-    def _new_producer(self, i: int, model: torch.nn.Module, version: int):
+    def _new_producer(self, i: int):
         p = self.make_producer(i, self._on_finished, self._wake)
-        p.start(model, version)
+        p.start(self._loaded, self.version)
         return p
+
+    # ---- weights -------------------------------------------------------------------------
+    def publish(self, model: torch.nn.Module) -> Publication:
+        """``model`` is the next weight version (the warm start's, then one per update).
+        Before :meth:`start` only the trainer's engine exists and takes it; then the
+        producers do: now when ``partial`` or nothing is in flight, else when the step's
+        groups are all in (the next :meth:`take`)."""
+        self.version += 1
+        if not self.started:
+            return Publication(self.version, self.local.push(model, self.version).bytes_moved)
+        self._loaded = self.weights(model)  # collective when sharded: every rank publishes together
+        if self.s.partial or not self.book.in_flight():
+            return Publication(self.version, self._refit_all())
+        self._publish_pending = True
+        return Publication(self.version, 0)
+
+    def current_rollout(self, model: torch.nn.Module):
+        """The trainer's own ``RolloutWorker`` holding the current version (eval, ReMax
+        baselines): refit on demand when it is not the engine that generates the batches."""
+        if self.version and self.local.version != self.version:
+            self.local.push(model, self.version)
+        return self.local
+
+    def _refit_all(self) -> int:
+        moved = 0
+        for p in self.producers:
+            try:
+                stats = p.refit(self._loaded, self.version)
+                moved += 0 if stats is None else stats.bytes_moved
+            except ProducerError as e:
+                p.failure = p.failure or str(e)
+        self._replace_failed()
+        self._last_progress = time.monotonic()
+        self._admit()
+        return moved
 
     # ---- admission -----------------------------------------------------------------------
     def version_of_step(self, step: int) -> int:
@@ -140,62 +158,46 @@ class Pipeline:
     def _admit(self) -> None:
         """Dispatch every group the staleness rule now allows (main thread)."""
         oldest = min(p.version for p in self.producers)
-        last = last_admissible_step(oldest, base=self.base, max_staleness=self.max_staleness)
+        last = last_admissible_step(oldest, base=self.base, max_staleness=self.s.max_staleness)
         todo = []
         for s in range(self.admitted_through + 1, last + 1):
-            batch_idx, seeds = self.plan.get(s)
-            for g, (row, seed) in enumerate(zip(batch_idx, seeds)):
-                group = self.groups.get((s, g))
-                if group is None:
-                    group = self.groups[(s, g)] = Group(step=s, index=g, row=row, seed=seed)
-                if len(group.outputs) < self.n:  # (a restored finished group is not generated again)
-                    todo.append(group)
+            rows, seeds = self.plan.get(s)
+            todo += self.book.open(s, 0, rows, seeds)
             self.admitted_through = s
         # one message per producer: a worker admits them together, in the synchronous order
         # (the batch a synchronous step decodes, so staleness 0 is bitwise synchronous)
         self._dispatch(todo)
 
+    def _refill(self, step: int) -> None:
+        """DAPO dynamic sampling: one more round of prompts for ``step``, drawn from a stream
+        of its own (the step's first seed and the round), so the plan's draws stay those of
+        a run without refills."""
+        r = self.rounds.get(step, 0) + 1
+        self.rounds[step] = r
+        rows, seeds = self.plan.draw_extra(step, r)
+        self._dispatch(self.book.open(step, r * self.s.groups_per_step, rows, seeds))
+
     def _dispatch(self, groups: list[Group]) -> None:
         """Send whole groups to the least-loaded producer (identical prompts share a prefill)."""
-        load = {i: 0 for i in range(len(self.producers))}
-        with self._cond:
-            for g in self.groups.values():
-                if g.producer is not None and len(g.outputs) < self.n:
-                    load[g.producer] = load.get(g.producer, 0) + 1
+        load = self.book.load(len(self.producers))
         per: dict[int, list] = {}
         for group in groups:
             target = min(load, key=lambda i: (load[i], i))
             load[target] += 1
-            with self._cond:
-                group.attempt += 1
-                group.outputs.clear()
-                group.producer = target
-            prompt = self.train_set.prompts[group.row]
-            per.setdefault(target, []).extend(
-                (f"{group.step}:{group.index}:{j}:{group.attempt}", prompt,
-                 dataclasses.replace(self.sampling, n=1, seed=request_seed(group.seed, j))) for j in range(self.n))
-        for target, requests in per.items():
-            self.producers[target].submit(requests)
+            keys = self.book.assign(group, target)
+            per.setdefault(target, []).extend(self.task.work(group.row, group.seed, keys))
+        for target, work in per.items():
+            self.producers[target].submit(work)
 
     # ---- results (producer threads) ------------------------------------------------------
-    def _on_finished(self, producer: int, outputs: list[RequestOutput]) -> None:
-        with self._cond:
-            self._last_progress = time.monotonic()
-            for out in outputs:
-                step, g, j, attempt = map(int, out.request_id.split(":"))
-                group = self.groups.get((step, g))
-                if group is None or group.attempt != attempt:
-                    continue  # an abandoned attempt of a regenerated group
-                group.outputs[j] = out
-                if len(group.outputs) == self.n:
-                    self._score_group(group)
-            self._cond.notify_all()
+    def _on_finished(self, producer: int, finished: list) -> None:
+        self._last_progress = time.monotonic()
+        for group in self.book.collect(finished):
+            self._score(group)
+        self._wake()
 
-    def _score_group(self, group: Group) -> None:
-        outs = [group.outputs[j] for j in range(self.n)]
-        t = self.train_set
-        group.reward = self._scoring.submit(self.score, [o.token_ids for o in outs], [t.answers[group.row]] * self.n,
-                                            [t.prompt_texts[group.row]] * self.n)
+    def _score(self, group: Group) -> None:
+        group.reward = self._scoring.submit(self.task.score, group.row, group.ordered())
         group.reward.add_done_callback(lambda _: self._wake())
 
     def _wake(self) -> None:
@@ -205,108 +207,99 @@ class Pipeline:
     # ---- the trainer's calls (main thread) -------------------------------------------------
     def take(self, model: torch.nn.Module) -> Batch:
         """The batch of the next step: waits until its groups are generated and scored
-        (replacing a dead producer on the way, within ``pipeline.restarts``)."""
+        (replacing a dead producer on the way, within ``pipeline.worker_restarts``)."""
         step = self.next_step
-        keys = [(step, g) for g in range(self.prompts_per_step)]
         t0 = time.perf_counter()
-        while True:
-            self._replace_failed(model)
+        inline = next((p for p in self.producers if getattr(p, "inline", False)), None)
+        if inline is not None:
+            inline.run_until(lambda: self._ready(step))
+        while not self._ready(step):
+            self._replace_failed()
             with self._cond:
-                if all(self._done(self.groups[k]) for k in keys):
-                    break
                 self._cond.wait(timeout=0.5)
-                stalled = time.monotonic() - self._last_progress
-            if stalled > self.timeout_s:
-                missing = sum(not self._done(self.groups[k]) for k in keys)
-                raise ProducerError(f"step {step} waits for {missing} prompt groups and no rollout worker finished "
-                                    f"a sample for {stalled:.0f} s (pipeline.timeout_s={self.timeout_s:g}); a worker "
-                                    "is stuck or far too slow: raise pipeline.timeout_s or lower rollout.max_tokens")
+            self._check_stall(step)
         waited = time.perf_counter() - t0
-        with self._cond:
-            groups = [self.groups.pop(k) for k in keys]
-            buffered = sum(self._done(g) for g in self.groups.values())
-        outputs = [g.outputs[j] for g in groups for j in range(self.n)]
-        ro = rollouts_to_device(rollouts_from_outputs(outputs, self.pad_id), self.device)
-        rewards = RewardBatch.concat([g.reward.result() for g in groups])
-        metrics = staleness_metrics(ro.token_versions, ro.response_mask, self.version_of_step(step),
-                                    self.max_staleness)
-        capacity = (self.max_staleness + 1) * self.prompts_per_step
-        metrics.update({"async/trainer_idle_s": waited, "async/buffer_groups": float(buffered),
-                        "async/buffer_fill": buffered / capacity})
-        for p in self.producers:
-            metrics[f"async/worker{p.index}_idle_s"] = p.idle_seconds - self._idle_seen.get(p.index, 0.0)
-            self._idle_seen[p.index] = p.idle_seconds
+        groups = self.book.pop_step(step)
+        sb = self.task.assemble([g.row for g in groups], [g.ordered() for g in groups],
+                                [g.reward.result() for g in groups], self.device)
+        metrics = self._metrics(step, sb, waited)
         self.consumed.extend((step, g.index, g.row) for g in groups)
+        self.rounds.pop(step, None)
         self.next_step += 1
         self.plan.forget_before(self.next_step)
-        if self._publish_pending:  # one_step_off: every admitted group is in; the producers take the weights now
+        if inline is not None and not self.book.in_flight():
+            inline.release_memory()  # sampling is done until the refit (rollout.free_cache_engine)
+        if self._publish_pending:  # every admitted group is in; the producers take the weights now
             self._publish_pending = False
-            self._refit_all(model)
-            self._admit()
-        return Batch([g.row for g in groups], ro, rewards, metrics, stale=metrics["async/staleness_max"] > 0)
+            self._refit_all()
+        return Batch(sb, metrics, stale=metrics.get("async/staleness_max", 0.0) > 0)
 
-    def publish(self, model: torch.nn.Module) -> None:
-        """``model`` is the next weight version (after an update): async refits the producers
-        now (in-flight requests go on under it) and admits what it allows; one_step_off
-        refits them between batches, at the next :meth:`take`."""
-        self.version += 1
-        if self.partial:
-            self._refit_all(model)
-            self._admit()
-        else:
-            self._publish_pending = True
+    def _ready(self, step: int) -> bool:
+        """Whether ``step``'s groups are all in and scored, admitting a refill round when
+        dynamic sampling needs one (``take``'s loop, main thread)."""
+        informative = self.book.informative(step, self.rounds.get(step, 0), self.s.groups_per_step)
+        if informative is None:
+            return False
+        if (self.s.dynamic_sampling and informative < self.s.groups_per_step
+                and self.rounds.get(step, 0) < self.s.refill_rounds):
+            self._refill(step)
+            return False
+        return True
 
-    def _refit_all(self, model: torch.nn.Module) -> None:
+    def _metrics(self, step: int, sb, waited: float) -> dict[str, float]:
+        ro = sb.rollouts
+        st = staleness_metrics(ro.token_versions, ro.response_mask, self.version_of_step(step), self.s.max_staleness)
+        out = {"batch/refill_rounds": float(self.rounds.get(step, 0))} if self.s.dynamic_sampling else {}
+        if self.s.max_staleness == 0:
+            return out  # synchronous: the bound (0) is checked, nothing else to report
+        buffered = self.book.finished_count()
+        capacity = (self.s.max_staleness + 1) * self.s.groups_per_step
+        out.update(st)
+        out.update({"async/trainer_idle_s": waited, "async/buffer_groups": float(buffered),
+                    "async/buffer_fill": buffered / capacity})
         for p in self.producers:
-            try:
-                p.refit(model, self.version)
-            except ProducerError as e:
-                p.failure = p.failure or str(e)
-        self._replace_failed(model)
-        self._last_progress = time.monotonic()
+            out[f"async/worker{p.index}_idle_s"] = p.idle_seconds - self._idle_seen.get(p.index, 0.0)
+            self._idle_seen[p.index] = p.idle_seconds
+        return out
 
-    def _replace_failed(self, model: torch.nn.Module) -> None:
+    def _check_stall(self, step: int) -> None:
+        stalled = time.monotonic() - self._last_progress
+        if stalled > self.s.timeout_s:
+            missing = self.book.unfinished_in_step(step)
+            raise ProducerError(f"step {step} waits for {missing} prompt groups and no rollout worker finished "
+                                f"a sample for {stalled:.0f} s (pipeline.timeout_s={self.s.timeout_s:g}); a worker "
+                                "is stuck or far too slow: raise pipeline.timeout_s or lower rollout.max_tokens")
+
+    def _replace_failed(self) -> None:
         for i, p in enumerate(self.producers):
             if p.failure is None:
                 continue
             if self.restarts_left == 0:
-                raise ProducerError(f"{p.failure}; pipeline.worker_restarts={self.restarts} used up, the job stops "
+                raise ProducerError(f"{p.failure}; pipeline.worker_restarts={self.s.restarts} used up, the job stops "
                                     "(see the worker's output above, or raise pipeline.worker_restarts)")
             self.restarts_left -= 1
-            with self._cond:
-                lost = [g for g in self.groups.values() if g.producer == i and len(g.outputs) < self.n]
-            self.console(f"{p.failure}; replacing it ({self.restarts - self.restarts_left} of {self.restarts} "
+            lost = self.book.unfinished_of(i)
+            self.console(f"{p.failure}; replacing it ({self.s.restarts - self.restarts_left} of {self.s.restarts} "
                          f"restarts), its {len(lost)} unfinished prompt groups are generated again")
             p.close()
-            self.producers[i] = self._new_producer(i, model, self.version)
+            self.producers[i] = self._new_producer(i)
             self._idle_seen.pop(i, None)
             self._dispatch(lost)
             self._last_progress = time.monotonic()
 
-    def _done(self, group: Group) -> bool:
-        return len(group.outputs) == self.n and group.reward is not None and group.reward.done()
-
     # ---- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Between steps: the RNG before the next step, finished untrained groups, consumed ids."""
-        with self._cond:
-            finished = [g for g in self.groups.values() if len(g.outputs) == self.n]
-            records = [{"step": g.step, "index": g.index, "row": g.row, "seed": g.seed,
-                        "outputs": [_output_record(g.outputs[j]) for j in range(self.n)]} for g in finished]
+        """Between steps: the version, the RNG before the next step, finished untrained
+        groups, refill rounds, consumed ids. Before :meth:`start`: the version only."""
+        if not self.started:
+            return {"version": self.version}
         return {"next_step": self.next_step, "version": self.version,
-                "plan_rng": python_rng_state(self.plan.state_before(self.next_step)), "finished": records,
+                "plan_rng": python_rng_state(self.plan.state_before(self.next_step)),
+                "finished": self.book.finished_records(), "rounds": dict(self.rounds),
                 "consumed": torch.tensor(self.consumed, dtype=torch.long).reshape(-1, 3)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore before :meth:`start` (which redraws the plan from the saved RNG)."""
-        self._restored = state
+        self.version = int(state["version"])
+        self._restored = state if "next_step" in state else None
 
-    def _restore_group(self, rec: dict) -> None:
-        group = Group(step=rec["step"], index=rec["index"], row=rec["row"], seed=rec["seed"])
-        group.outputs = {j: RequestOutput(**o) for j, o in enumerate(rec["outputs"])}
-        self.groups[group.key] = group
-        self._score_group(group)
-
-
-def _output_record(o: RequestOutput) -> dict:
-    return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}

@@ -11,7 +11,7 @@ import torch
 from hybridrl.config import Config
 
 if TYPE_CHECKING:
-    from hybridrl.rollout.memory import EngineMemoryError
+    from hybridrl.rollout.core.memory import EngineMemoryError
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int,
@@ -47,7 +47,7 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
                           free_cache_engine=r.free_cache_engine, kv_on_refit=r.kv_on_refit,
                           tensor_parallel=tensor_parallel if tensor_parallel.size > 1 else None)
     from hybridrl.rollout import RolloutEngine
-    from hybridrl.rollout.memory import EngineMemoryError
+    from hybridrl.rollout.core.memory import EngineMemoryError
 
     try:
         return RolloutEngine(hf_config, spec, enforce_eager=r.enforce_eager, record_routing=r.routing_replay,
@@ -66,8 +66,8 @@ def _seq_key(cfg: Config, longest_prompt: int) -> tuple[str, int, int]:
 
 def _budget_rows(cfg: Config, hf_config, max_seq_len: int, tensor_parallel) -> int:
     """The engine rows whose KV cache fits ``rollout.kv_cache_mb`` (at least one, or a ValueError)."""
-    from hybridrl.rollout.kv_cache import rank_kv_heads
-    from hybridrl.rollout.memory import EngineMemory, gib
+    from hybridrl.rollout.core.kv_cache import rank_kv_heads
+    from hybridrl.rollout.core.memory import EngineMemory, gib
     from hybridrl.rollout.model_config import parse_hf_config
 
     config = parse_hf_config(hf_config)
@@ -108,3 +108,85 @@ def adapter_spec(lora, mode: str):
     if isinstance(lora, AdapterSpec):
         return lora
     return AdapterSpec(rank=lora.rank, scale=lora.scale, modules=tuple(lora.targets))
+
+
+def build_runner(cfg: Config, engine, tokenizer, *, lockstep=None, leader: bool = True):
+    """The work runner over ``engine`` (``work.py``): samples, and with ``env.name`` agent
+    episodes (an environment pool of ``env.workers`` processes, the chat renderer checked
+    once). ``lockstep``/``leader``: a tensor-parallel group's episodes (``EpisodeDriver``):
+    a follower rank calls no environment, the leader's results reach it through ``lockstep``."""
+    from hybridrl.pipeline.work import WorkRunner
+    from hybridrl.trainer.rollout_worker import sampling_params
+
+    latency = cfg.rollout.step_latency_ms / 1000
+    if cfg.env.name is None:
+        return WorkRunner(engine, step_latency_s=latency)
+    pool = env_pool(cfg)
+    try:
+        driver = episode_driver(cfg, engine, tokenizer, pool, sampling_params(cfg.rollout, tokenizer.eos_token_id),
+                                lockstep=lockstep, leader=leader)
+    except BaseException:
+        pool.close()
+        raise
+    return WorkRunner(engine, episodes=driver, step_latency_s=latency, env_pool=pool)
+
+
+def episode_driver(cfg: Config, engine, tokenizer, pool, sampling, *, lockstep=None, leader: bool = True,
+                   overlap: bool | None = None):
+    """The chat renderer (checked: the template must render a conversation as its turns
+    appended) and the episode driver on ``engine`` with ``pool``'s environments."""
+    from hybridrl.agents.chat_render import ChatRenderer, check_template
+    from hybridrl.agents.episode_driver import EpisodeDriver
+
+    renderer = ChatRenderer(tokenizer, pool.schemas)
+    check_template(renderer, name=f"the tokenizer's ({cfg.model.path or 'built-in'})")
+    e = cfg.env
+    return EpisodeDriver(engine, pool if leader else None, renderer, tokenizer, sampling, episode_limits(cfg),
+                         overlap=e.overlap if overlap is None else overlap, env_latency_s=e.latency_ms / 1000,
+                         lockstep=lockstep)
+
+
+def env_pool(cfg: Config):
+    """The environments' worker processes (``env.*``)."""
+    from hybridrl.agents.env_pool import EnvPool
+
+    e = cfg.env
+    return EnvPool(e.name, workers=e.workers, timeout_s=e.timeout_s, memory_limit_mb=e.memory_limit_mb,
+                   max_tool_calls=e.max_tool_calls, parser=e.parser, system_prompt=e.system_prompt)
+
+
+def episode_limits(cfg: Config):
+    from hybridrl.agents.episodes import EpisodeLimits
+
+    e = cfg.env
+    return EpisodeLimits(max_turns=e.max_turns, tool_response_tokens=e.tool_response_tokens,
+                         context_tokens=e.context_tokens)
+
+
+def check_engine_choice(cfg: Config) -> None:
+    """What ``rollout.exact``'s engine cannot serve, one line each with the reason (it
+    samples with the trainer's own unsharded modules, in the trainer's thread, on static
+    batches through ``generate``). Checked before anything is built."""
+    from hybridrl.config.base import ConfigError
+
+    r = cfg.rollout
+    if not r.exact:
+        return
+    unsupported = {
+        f"rollout.backend={r.backend}": (r.backend != "builtin", "vLLM's kernels are not batch-invariant"),
+        f"rollout.quantization={r.quantization}": (r.quantization is not None, "quantized rollout weights "
+                                                                              "are another policy"),
+        f"rollout.tensor_parallel_size={r.tensor_parallel_size}": (r.tensor_parallel_size > 1,
+                                                                  "split reductions are not the trainer's"),
+        f"trainer.mode={cfg.trainer.mode}": (cfg.trainer.mode != "sync", "stale weights are not on-policy"),
+        f"launcher ranks={cfg.launcher.ranks}": (cfg.launcher.ranks > 1, "the exact engine runs the trainer's "
+                                                                         "unsharded modules, one process"),
+        f"model.arch={cfg.model.arch}": (cfg.model.arch == "deepseek_v4", "its compressed attention runs padded only, "
+                                                                        "not through the exact attention"),
+        "env.name": (cfg.env.name is not None, "the exact engine samples static batches through generate(); agent "
+                                               "episodes need the request API"),
+    }
+    for key, (bad, why) in unsupported.items():
+        if bad:
+            raise ConfigError(f"rollout.exact with {key}: not supported ({why}); set rollout.exact=false or "
+                              "drop that setting")

@@ -50,3 +50,11 @@ class PromptPlan:
         for s in [s for s in self._state_before if s < step]:
             self._state_before.pop(s)
             self._steps.pop(s, None)
+
+    def draw_extra(self, step: int, round_: int) -> tuple[list[int], list[int]]:
+        """DAPO refill round ``round_`` of ``step``: the draw function over a stream of its
+        own, seeded by the RNG state before ``step`` and the round (the same on every rank,
+        which keeps its share), so the steps' draws are those of a run without refills and
+        a resumed run redraws the same refills."""
+        self.get(step)
+        return self._draw(random.Random(hash((self._state_before[step], round_))))

@@ -17,7 +17,9 @@ from typing import Callable
 
 import torch
 
-from hybridrl.pipeline.producers import ProducerError, RefitPayload, Request, Sink
+from hybridrl.pipeline.producers import ProducerError, Sink
+from hybridrl.pipeline.remote import RefitPayload
+from hybridrl.pipeline.work import Work
 from hybridrl.pipeline.worker import WorkerSpec
 
 
@@ -25,24 +27,23 @@ class RolloutActor:
     """The actor body: an engine built like the run's, served by a LocalProducer."""
 
     def __init__(self, spec: WorkerSpec):
-        from hybridrl.pipeline.engines import build_engine
         from hybridrl.pipeline.producers import LocalProducer
+        from hybridrl.pipeline.worker import build_worker_runner
         from hybridrl.trainer.rollout_worker import RolloutWorker
+        from hybridrl.trainer.weight_sync import WeightSyncSpec
 
         torch.set_num_threads(spec.threads)
-        engine = build_engine(spec.cfg, spec.hf_config, device=torch.device(spec.device), ranks=1,
-                              longest_prompt=spec.longest_prompt, lora=spec.adapter)
-        worker = RolloutWorker(engine, None, device=torch.device(spec.device), bucket_bytes=spec.cfg.refit.bucket_mb << 20,
-                               verify_refit=spec.verify)
+        engine, runner = build_worker_runner(spec)
+        sync = WeightSyncSpec(bucket_bytes=spec.cfg.refit.bucket_mb << 20, verify=spec.verify)
+        worker = RolloutWorker(engine, None, device=torch.device(spec.device), sync=sync)
         self._finished: queue.Queue = queue.Queue()
-        self._producer = LocalProducer(0, worker, lambda _, outs: self._finished.put(outs), lambda: None,
-                                       step_latency_s=spec.step_latency_s)
+        self._producer = LocalProducer(0, worker, runner, lambda _, outs: self._finished.put(outs), lambda: None)
 
     def start(self, named: list, version: int) -> None:
         self._producer.start(named, version)
 
-    def submit(self, requests: list) -> None:
-        self._producer.submit(requests)
+    def submit(self, work: list) -> None:
+        self._producer.submit(work)
 
     def refit(self, named: list, version: int, partial: bool = False) -> None:
         self._producer.refit(named, version, partial=partial)
@@ -66,13 +67,13 @@ class RayProducer:
     """The trainer's handle on one :class:`RolloutActor`; a collector thread polls it."""
 
     def __init__(self, index: int, spec: WorkerSpec, sink: Sink, wake: Callable[[], None], *, cpus: int = 1,
-                 gpus: float = 0, lora=None):
-        """``lora``: the trainer's ``LoRAPolicy`` (``spec.cfg.rollout.lora_mode``): refits send
-        its payload, the whole base only to an actor that does not hold it yet."""
+                 gpus: float = 0, payload: RefitPayload):
+        """``payload``: what each refit sends (with LoRA: the adapters, the whole base only to
+        an actor that does not hold it yet)."""
         import ray
 
         self.index, self.spec, self._sink, self._wake = index, spec, sink, wake
-        self.payload = RefitPayload(lora, spec.cfg)
+        self.payload = payload
         self.version: int | None = None
         self.failure: str | None = None
         self.idle_seconds = 0.0
@@ -103,8 +104,8 @@ class RayProducer:
         self._collector = threading.Thread(target=self._collect, name=f"rollout-{self.index}-results", daemon=True)
         self._collector.start()
 
-    def submit(self, requests: list[Request]) -> None:
-        self.actor.submit.remote(requests)  # calls from one caller run in order
+    def submit(self, work: list[Work]) -> None:
+        self.actor.submit.remote(work)  # calls from one caller run in order
 
     def refit(self, model: torch.nn.Module, version: int) -> None:
         named, partial = self.payload.next(model)

@@ -30,7 +30,7 @@ def sigmoid_balance_loss(model: torch.nn.Module, per_layer: tuple[torch.Tensor, 
     fraction of the ``T * k`` token slots routed to expert i (the router's own grouped, bias-corrected
     selection) and ``P_i`` the mean of the sum-normalized sigmoid scores; averaged over
     layers. 1.0 when the load is uniform."""
-    from hybridrl.rollout.models.moe import select_experts_grouped
+    from hybridrl.rollout.models.moe.block import select_experts_grouped
     from hybridrl.rollout.routing import hf_routers
 
     total = 0.0

@@ -1,17 +1,18 @@
 """One RL step, the recipe, top to bottom:
 
-    sample (engine) → score (reward) → old / reference log-probs → advantages
-    → corrections → update (actor, critic) → refit (actor weights → engine, in place)
+    take (the source's batch: sampled and scored) → old / reference log-probs → advantages
+    → corrections → update (actor, critic) → publish (actor weights → the engines, in place)
 
-:class:`RLStep` holds the typed components and runs exactly this order; every phase is
-timed by one :class:`PhaseTimer`. Under data parallelism every rank runs this same step
-on its share of the prompts.
+:class:`RLStep` holds the typed components and runs exactly this order, the same in every
+``trainer.mode``: the batch source (``pipeline/``) decides when and where generation runs;
+every phase is timed by one :class:`PhaseTimer`. Under data parallelism every rank runs this
+same step on its share of the prompts.
 """
 
 from __future__ import annotations
 
 import random
-from concurrent.futures import Future, ThreadPoolExecutor
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -19,36 +20,41 @@ import torch
 from hybridrl import algos
 from hybridrl.config import AlgoConfig, Config
 from hybridrl.distributed.context import DistContext
-from hybridrl.rewards import RewardBatch
 from hybridrl.trainer.actor import Actor, proximal_weights
 from hybridrl.trainer.critic import Critic
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.reference import Reference
 from hybridrl.trainer.rollout_worker import RolloutWorker
 from hybridrl.trainer.scoring import RewardScorer, greedy_scores
-from hybridrl.trainer.step_batch import StepBatch, merge
+from hybridrl.trainer.step_batch import StepBatch
 from hybridrl.trainer.timer import PhaseTimer
 
-PHASES = ("rollout", "reward", "log_probs", "advantages", "update", "refit")
+if typing.TYPE_CHECKING:
+    from hybridrl.pipeline.coordinator import Pipeline
+
+PHASES = ("rollout", "log_probs", "advantages", "update", "refit")
 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """How big a step is and how its rows are padded (plain values from ``batch.*`` /
-    ``rollout.*`` and the tokenizer)."""
+    """How big a step is, how its rows are padded, and the checks it runs (plain values from
+    ``batch.*`` / ``rollout.*`` / ``trainer.*`` and the tokenizer)."""
 
     prompts_per_step: int
     samples_per_prompt: int  # rollout.n
     mini_batch_size: int  # responses per optimizer step
     epochs: int  # passes over the batch
     max_response_tokens: int  # rollout.max_tokens (DAPO overlong shaping)
-    pad_id: int = 0  # the token id that pads rows (merging refill rounds)
+    pad_id: int = 0  # the token id that pads rows
+    exact_recompute: bool = False  # rollout.exact_recompute: recompute anyway, require equal bits
+    mismatch_report_every: int = 0  # trainer.mismatch_report_every: log the gap every k steps
 
     @classmethod
     def from_config(cls, cfg: Config, pad_id: int) -> BatchShape:
         b, r = cfg.batch, cfg.rollout
         return cls(prompts_per_step=b.prompts_per_step, samples_per_prompt=r.n, mini_batch_size=b.mini_batch_size,
-                   epochs=b.ppo_epochs, max_response_tokens=r.max_tokens, pad_id=pad_id)
+                   epochs=b.ppo_epochs, max_response_tokens=r.max_tokens, pad_id=pad_id,
+                   exact_recompute=r.exact_recompute, mismatch_report_every=cfg.trainer.mismatch_report_every)
 
     @property
     def responses(self) -> int:
@@ -58,23 +64,24 @@ class BatchShape:
 class RLStep:
     """The components of a run and the order of one step over them."""
 
-    def __init__(self, *, rollout: RolloutWorker, scorer: RewardScorer, actor: Actor, critic: Critic | None,
+    def __init__(self, *, source: Pipeline, scorer: RewardScorer, actor: Actor, critic: Critic | None,
                  train_set: PromptSet, algo: AlgoConfig, shape: BatchShape, dp: DistContext | None = None):
-        self.rollout, self.scorer, self.actor, self.critic = rollout, scorer, actor, critic
+        """``source``: where the step's batches come from and its weights go (``pipeline/``),
+        whatever ``trainer.mode`` is."""
+        self.source, self.scorer, self.actor, self.critic = source, scorer, actor, critic
         self.train_set, self.algo, self.shape = train_set, algo, shape
         self.reference: Reference | None = None
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
         self.dp = dp  # data parallel: this rank's share of every batch
-        self.episodes = None  # an EpisodeSampler when the run trains an agent (env.name)
-        # trainer.mode one_step_off / async: the batches come from a Pipeline of rollout
-        # workers, and `rollout` (this process's engine) serves eval, refit on demand
-        self.pipeline = None
         # rollout.exact: the engine samples with the policy's own modules under batch-invariant
         # numerics (hybridrl/exact), so its log-probs *are* the old log-probs: no recompute pass
-        self.exact = bool(getattr(rollout.engine, "shares_trainer_weights", False))
-        self.exact_recompute = False  # rollout.exact_recompute: recompute anyway, require equal bits
-        self.mismatch_report_every = 0  # trainer.mismatch_report_every: log the gap every k steps
+        self.exact = bool(getattr(source.local.engine, "shares_trainer_weights", False))
         self._steps_done = 0
+
+    @property
+    def rollout(self) -> RolloutWorker:
+        """The trainer's own engine (eval and baselines read it through the source)."""
+        return self.source.local
 
     def attach_reference(self, reference: Reference) -> None:
         """The KL reference (a frozen copy of the policy after the warm start) and its controller."""
@@ -106,48 +113,37 @@ class RLStep:
         """What the step's components need for an exact resume besides their weights:
         optimizer and LR-schedule states (``optimizers=False``: a sharded run keeps the
         optimizer states in DCP), the actor's mini-batch shuffling generator, the KL
-        coefficient, the engine's weight version. Each component writes its own part."""
+        coefficient, and the source's (the weight version, untrained groups). Each
+        component writes its own part."""
         critic = None if self.critic is None else self.critic.state_dict() if optimizers else "dcp"
-        p = self.pipeline
         return {"actor": self.actor.state_dict(optimizer=optimizers), "critic": critic,
                 "kl_ctrl": None if self.kl_ctrl is None else self.kl_ctrl.state_dict(),
-                "rollout": self.rollout.state_dict() if p is None else {"weight_version": p.version},
-                "pipeline": None if p is None else p.state_dict()}
+                "source": self.source.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()`` into the built components (weights already loaded), then
-        refit the engine from the restored policy and continue its version numbering."""
+        """Restore ``state_dict()`` into the built components (weights already loaded); the
+        source's :meth:`start` then loads the restored policy into the engines as the saved version."""
         self.actor.load_state_dict(state["actor"])
         if self.critic is not None and isinstance(state["critic"], dict):
             self.critic.load_state_dict(state["critic"])
         if self.kl_ctrl is not None and state["kl_ctrl"] is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.rollout.restore(self.actor.model, state["rollout"])
-        if (self.pipeline is None) != (state.get("pipeline") is None):
-            raise ValueError("checkpoint.resume: the checkpoint was written with another trainer.mode (sync vs "
-                             "one_step_off/async); resume with the run's own trainer.mode")
-        if self.pipeline is not None:
-            self.pipeline.load_state_dict(state["pipeline"])
+        if "source" not in state:
+            raise ValueError("checkpoint.resume: the checkpoint was written by an older hybridrl (no batch-source "
+                             "state); resume it with the version that wrote it, or start the run again")
+        self.source.load_state_dict(state["source"])
 
-    # ---- overlapped generation (trainer.mode one_step_off / async) ------------------------
-    def start_pipeline(self, rng: random.Random, first_step: int) -> None:
-        """Start the rollout workers with the current policy; step ``first_step`` trains next.
-        The workers draw the steps' prompts from ``rng`` exactly as :meth:`_draw` would."""
-        if self.pipeline is not None:
-            self.pipeline.start(self.actor.model, draw=self._draw, rng=rng, version=self.rollout.version,
-                                first_step=first_step)
+    def start(self, rng: random.Random, first_step: int) -> None:
+        """Start generating with the current policy; step ``first_step`` trains next. The
+        source draws the steps' prompts from ``rng`` exactly as :meth:`_draw` would."""
+        self.source.start(self.actor.model, draw=self._draw, rng=rng, first_step=first_step)
 
     def fresh_rollout(self) -> RolloutWorker:
-        """This process's rollout worker holding the current policy (eval, ReMax baselines):
-        with a pipeline, refit on demand (it is not the engine that generates the batches)."""
-        p = self.pipeline
-        if p is not None and p.version is not None and self.rollout.version != p.version:
-            self.rollout.catch_up(self.actor.model, self.pipeline.version)
-        return self.rollout
+        """The trainer's engine holding the current policy (eval, ReMax baselines)."""
+        return self.source.current_rollout(self.actor.model)
 
     def close(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.close()
+        self.source.close()
 
     def needs_old_log_prob(self) -> bool:
         """Whether the step needs a separate no-grad log-prob pass before the update.
@@ -162,114 +158,52 @@ class RLStep:
                 or (a.kl.coef > 0 and not a.kl.use_loss))
 
     # ---- the recipe ---------------------------------------------------------------------
-    def __call__(self, rng: random.Random) -> dict[str, float]:
+    def __call__(self, rng: random.Random | None = None) -> dict[str, float]:
         """One RL step; returns its metrics (phase seconds included). With ``rollout.exact``
-        every forward of the step (sampling, log-probs, the update's) runs batch-invariant."""
+        every forward of the step (sampling, log-probs, the update's) runs batch-invariant.
+        (``rng`` is unused: the source drew the steps' prompts since :meth:`start`.)"""
         if not self.exact:
-            return self._step(rng)
+            return self._step()
         from hybridrl.exact import batch_invariant
 
         with batch_invariant():
-            return self._step(rng)
+            return self._step()
 
-    def _step(self, rng: random.Random) -> dict[str, float]:
+    def _step(self) -> dict[str, float]:
         timer, metrics = PhaseTimer(PHASES), {}
-        if self.pipeline is not None:
-            with timer.phase("rollout"):  # waiting for the batch: the trainer's idle time
-                sb, stale = self.take_from_pipeline(metrics)
-        else:
-            sb, stale = self.sample_and_score(rng, timer), False
-            if self.algo.dapo.dynamic_sampling:
-                sb, rounds = self.refill(sb, rng, timer)
-                metrics["batch/refill_rounds"] = float(rounds)
-            self.rollout.check_on_policy(sb.rollouts)
-            with timer.phase("rollout"):
-                self.rollout.release_memory()  # sampling is done until the refit (rollout.free_cache_engine)
+        with timer.phase("rollout"):  # generation still running, and scoring left after it
+            batch = self.source.take(self.actor.model)
+        sb = batch.step_batch
+        self.shape_rewards(sb)
+        metrics.update(batch.metrics)
         with timer.phase("log_probs"):
             metrics.update(self.log_probs(sb))
         with timer.phase("advantages"):
             metrics.update(self.advantages(sb))
-            metrics.update(self.corrections(sb, stale=stale))
+            metrics.update(self.corrections(sb, stale=batch.stale))
         with timer.phase("update"):
             metrics.update(self.update(sb))
         with timer.phase("refit"):
-            if self.pipeline is not None:
-                self.pipeline.publish(self.actor.model)
-            else:
-                refit = self.rollout.refit(self.actor.model)
-                metrics["refit/bytes"] = float(refit.bytes_moved)  # LoRA: the adapters (or merged targets) only
+            published = self.source.publish(self.actor.model)
+        metrics["refit/bytes"] = float(published.bytes_moved)  # LoRA: the adapters (or merged targets) only
         metrics.update(step_metrics(sb, timer))
-        metrics["refit/weight_version"] = self.rollout.version if self.pipeline is None else self.pipeline.version
+        metrics["refit/weight_version"] = published.version
         if self.dp is not None:
             metrics = self._global_metrics(metrics, sb)
         return metrics
 
     def _global_metrics(self, metrics: dict[str, float], sb: StepBatch) -> dict[str, float]:
         """Every rank's metrics averaged (equal rows per rank; losses are already global-batch
-        normalized times dp_size, so their mean is the global loss); reward std over all rows."""
-        from hybridrl.distributed.context import all_gather_floats, all_reduce_metrics
+        normalized times dp_size, so their mean is the global loss); reward std over all rows
+        (a rank's refill rounds may have given it more)."""
+        from hybridrl.distributed.context import all_gather_values, all_reduce_metrics, union_of_keys
 
-        everything = all_gather_floats(sb.raw_scores.float().cpu())
-        out = all_reduce_metrics(metrics, summed=frozenset())
+        everything = torch.tensor(all_gather_values(sb.raw_scores.float().cpu().tolist()))
+        out = all_reduce_metrics(union_of_keys(metrics), summed=frozenset())
         out["reward/std"] = float(everything.std()) if everything.numel() > 1 else 0.0
         return out
 
     # ---- phases -------------------------------------------------------------------------
-    def take_from_pipeline(self, metrics: dict[str, float]) -> tuple[StepBatch, bool]:
-        """The next step's batch from the pipeline (generated and scored by the workers),
-        its staleness metrics into ``metrics``; also whether any token is stale."""
-        batch = self.pipeline.take(self.actor.model)
-        sb = StepBatch.from_groups(batch.batch_idx, self.shape.samples_per_prompt, batch.rollouts)
-        self.apply_rewards(sb, batch.rewards)
-        metrics.update(batch.metrics)
-        return sb, batch.stale
-
-    def sample(self, rng: random.Random) -> StepBatch:
-        """Draw prompts (without replacement) and sample ``n`` responses for each.
-
-        One seed per prompt: with a shared seed the j-th sample of every prompt would reuse
-        the same random stream, correlating the noise across the whole batch.
-        """
-        batch_idx, seeds = self._draw(rng)
-        ro = self.rollout.sample([self.train_set.prompts[i] for i in batch_idx], seeds)
-        return StepBatch.from_groups(batch_idx, self.shape.samples_per_prompt, ro)
-
-    def sample_and_score(self, rng: random.Random, timer: PhaseTimer) -> StepBatch:
-        """:meth:`sample` then :meth:`score`, overlapped when the engine serves requests: each
-        prompt's group is scored (on one background thread, in the reward's own processes
-        unless it is a trusted built-in) as soon as its ``n`` samples finished, while later
-        groups still decode. Same prompts, seeds, tokens and scores as the two phases in turn.
-        Phase "rollout" is the generation, "reward" the scoring still left after it."""
-        if self.episodes is not None:
-            batch_idx, seeds = self._draw(rng)
-            with timer.phase("rollout"):
-                return self.episodes.sample(self.train_set, batch_idx, seeds, self.shape.samples_per_prompt,
-                                            self.rollout.device)
-        if not hasattr(self.rollout.engine, "add_request"):
-            with timer.phase("rollout"):
-                sb = self.sample(rng)
-            with timer.phase("reward"):
-                self.score(sb)
-            return sb
-        batch_idx, seeds = self._draw(rng)
-        prompts = [self.train_set.prompts[i] for i in batch_idx]
-        t = self.train_set
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") as pool:
-            futures: dict[int, Future] = {}
-
-            def score_group(g: int, outputs) -> None:
-                i = batch_idx[g]
-                futures[g] = pool.submit(self.scorer.score, [o.token_ids for o in outputs], [t.answers[i]] * len(outputs),
-                                         [t.prompt_texts[i]] * len(outputs))
-
-            with timer.phase("rollout"):
-                ro = self.rollout.sample_groups(prompts, seeds, score_group)
-            with timer.phase("reward"):
-                rb = RewardBatch.concat([futures[g].result() for g in range(len(prompts))])
-        sb = StepBatch.from_groups(batch_idx, self.shape.samples_per_prompt, ro)
-        self.apply_rewards(sb, rb)
-        return sb
-
     def _draw(self, rng: random.Random) -> tuple[list[int], list[int]]:
         """This rank's prompts (training-set rows) and one seed per prompt."""
         batch_idx = rng.sample(range(len(self.train_set)), self.shape.prompts_per_step)
@@ -279,40 +213,14 @@ class RLStep:
             batch_idx, seeds = batch_idx[share], seeds[share]
         return batch_idx, seeds
 
-    def score(self, sb: StepBatch) -> None:
-        """Verifier scores ``[B]``, plus DAPO's soft overlong penalty when configured."""
-        ro = sb.rollouts
-        rows = [sb.batch_idx[i] for i in sb.index]
-        rb = self.scorer.score(ro.response_token_ids, [self.train_set.answers[i] for i in rows],
-                               [self.train_set.prompt_texts[i] for i in rows])
-        self.apply_rewards(sb, rb)
-
-    def apply_rewards(self, sb: StepBatch, rb: RewardBatch) -> None:
-        """``sb``'s scores from the reward batch ``rb`` (row order), DAPO's overlong penalty on top."""
-        ro, d = sb.rollouts, self.algo.dapo
-        sb.failures = sum(rb.failures.values())
-        sb.extras = rb.extra_means()  # reward-reported fields (combined components, dict extras)
-        sb.raw_scores = torch.tensor(rb.scores, dtype=torch.float32, device=ro.input_ids.device)
-        sb.scores = sb.raw_scores
+    def shape_rewards(self, sb: StepBatch) -> None:
+        """DAPO's soft overlong penalty on top of the verifier scores, when configured."""
+        d = self.algo.dapo
         if d.overlong_buffer_len > 0:
             sb.scores = sb.raw_scores + algos.overlong_reward_penalty(
-                ro.response_mask.sum(-1).cpu(), max_response_length=self.shape.max_response_tokens,
+                sb.rollouts.response_mask.sum(-1).cpu(), max_response_length=self.shape.max_response_tokens,
                 overlong_buffer_len=d.overlong_buffer_len, overlong_penalty_factor=d.overlong_penalty_factor,
             ).to(sb.raw_scores.device)
-
-    def refill(self, sb: StepBatch, rng: random.Random, timer: PhaseTimer) -> tuple[StepBatch, int]:
-        """DAPO dynamic sampling: sample more prompts until enough groups have differing
-        rewards, or the refill rounds run out."""
-        rounds = 0
-        while (rounds < self.algo.dapo.refill_rounds
-               and len(algos.dynamic_sampling_keep(sb.raw_scores, sb.index)) < self.shape.responses):
-            with timer.phase("rollout"):
-                extra = self.sample(rng)
-            with timer.phase("reward"):
-                self.score(extra)
-            sb = merge(sb, extra, pad_id=self.shape.pad_id)
-            rounds += 1
-        return sb, rounds
 
     def log_probs(self, sb: StepBatch) -> dict[str, float]:
         """Old log-probs (only when needed, see :meth:`needs_old_log_prob`) and reference log-probs.
@@ -322,14 +230,14 @@ class RLStep:
         ro, metrics = sb.rollouts, {}
         if self.exact:  # the engine's log-probs are the trainer's, bit for bit
             sb.tensors["old_log_prob"] = ro.logprobs.clone()
-            if self.exact_recompute:
+            if self.shape.exact_recompute:
                 metrics.update(self._check_exact(sb))
         elif self.needs_old_log_prob():
             sb.tensors["old_log_prob"], _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask,
                                                                         ro.response_mask,
                                                                         routed_experts=ro.routed_experts)
         self._steps_done += 1
-        k = self.mismatch_report_every
+        k = self.shape.mismatch_report_every
         if k and self._steps_done % k == 0:
             metrics.update(self._mismatch_metrics(sb))
         if self.reference is not None:
@@ -344,7 +252,7 @@ class RLStep:
     def _mismatch_metrics(self, sb: StepBatch) -> dict[str, float]:
         """trainer.mismatch_report_every: the gap between the rollout's log-probs and the
         trainer's (those of this step, or one extra no-grad pass), as hybridrl doctor reports it."""
-        from hybridrl.doctor.gap import token_gap
+        from hybridrl.algos.gap import token_gap
 
         ro = sb.rollouts
         old = sb.tensors.get("old_log_prob")
@@ -424,15 +332,19 @@ class RLStep:
         """Actor (and critic) update on the kept rows (DAPO dynamic sampling drops flat groups)."""
         metrics, d = {}, self.algo.dapo
         keep = torch.arange(len(sb.index))
+        ranks = self.dp.world_size if self.dp is not None else 1  # each rank steps on its share
         if d.dynamic_sampling:
             keep = algos.dynamic_sampling_keep(sb.raw_scores, sb.index)
             metrics["batch/kept_fraction"] = len(keep) / len(sb.index)
             if d.refill_rounds > 0:  # DAPO trains on a full batch of kept groups
-                keep = keep[: self.shape.responses]
+                keep = keep[: self.shape.responses // ranks]
+            if self.dp is not None:  # as many rows on every rank: the sharded update steps together
+                from hybridrl.distributed.context import all_reduce_min
+
+                keep = keep[: all_reduce_min(len(keep))]
         if len(keep) == 0:
             return metrics
         kept = sb.update_batch(keep)
-        ranks = self.dp.world_size if self.dp is not None else 1  # each rank steps on its share
         metrics.update(self.actor.update(kept, mini_batch_size=min(self.shape.mini_batch_size // ranks, len(keep)),
                                          epochs=self.shape.epochs, proximal_is_cap=sb.proximal_is_cap))
         if self.critic is not None:

@@ -2,7 +2,7 @@
 
 transformers' ``DeepseekV4Indexer`` picks its top ``index_topk`` entries with ``torch.topk``
 over score rows whose length is the padded batch length / rate; its scores tie at exactly 0
-often (``hybridrl/rollout/layers/v4_selection.py`` says why), and ``topk`` breaks those ties
+often (``hybridrl/rollout/models/deepseek_v4/selection.py`` says why), and ``topk`` breaks those ties
 by row length. So transformers' log-prob of a token depends on the batch it is in and on
 the tokens after it, and differs from the engine's (up to 1.9 nats measured with 2 indexer
 heads). Inside :func:`engine_selection` every indexer of the model keeps transformers'
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hybridrl.rollout.layers.v4_selection import select_top_entries
+from hybridrl.rollout.models.deepseek_v4.selection import select_top_entries
 
 INDEXER_CLASS = "DeepseekV4Indexer"
 

@@ -187,6 +187,7 @@ def test_train_step_metrics_identical_with_and_without_the_recompute_pass(tmp_pa
 
 
 @pytest.mark.parametrize("bad,key", [(["rollout.backend=vllm"], "rollout.backend=vllm"),
+                                     (["env.name=hybridrl.agents.examples.calculator:Calculator"], "env.name"),
                                      (["rollout.quantization=fp8"], "rollout.quantization=fp8"),
                                      (["trainer.mode=async"], "trainer.mode=async"),
                                      (["launcher.nproc_per_node=2"], "launcher ranks=2"),
@@ -195,9 +196,10 @@ def test_train_step_metrics_identical_with_and_without_the_recompute_pass(tmp_pa
                                      (["model.arch=deepseek_v4"], "model.arch=deepseek_v4")])
 def test_unsupported_combinations_are_one_line_errors(bad, key):
     from hybridrl.config.io import load_config
+    from hybridrl.pipeline.engines import check_engine_choice
 
     with pytest.raises(ConfigError, match=key) as e:
-        load_config(None, ["rollout.exact=true", *bad])
+        check_engine_choice(load_config(None, ["rollout.exact=true", *bad]))
     assert "\n" not in str(e.value) and "rollout.exact=false" in str(e.value)
     with pytest.raises(ConfigError, match="rollout.exact=true"):
         load_config(None, ["rollout.exact_recompute=true"])

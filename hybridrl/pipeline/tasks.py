@@ -1,0 +1,119 @@
+"""The kinds of group a batch source produces, in the trainer process: what work one
+group is, how its finished samples are scored, and how a step's groups become its
+``StepBatch``.
+
+- :class:`SingleTurnGroups`: a group is ``rollout.n`` samples of one prompt, scored by
+  the run's reward (``reward.functions``) as soon as its samples finished.
+- :class:`EpisodeGroups`: a group is ``rollout.n`` agent episodes of one prompt
+  (``env.name``), each scored by its outcome: the environment's turn rewards (summed, or
+  discounted from the last turn back) plus, for a tools class, the reward of its final
+  answer. A *failed* episode (an infrastructure failure) gets its own group and an
+  all-zero loss mask: it neither trains nor moves its row's GRPO baseline.
+
+Both lay a step's rows out prompt-major, groups in draw order: the batch a synchronous
+step would build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import torch
+
+from hybridrl.agents.trajectory import Trajectory, episode_metrics, trajectories_to_rollouts
+from hybridrl.pipeline.work import EpisodeWork, SampleWork
+from hybridrl.rewards import RewardBatch
+from hybridrl.rollout.backend import request_seed
+from hybridrl.rollout.rollouts import rollouts_from_outputs, rollouts_to_device
+from hybridrl.trainer.step_batch import StepBatch
+
+
+class SingleTurnGroups:
+    kind = "single-turn"
+
+    def __init__(self, train_set, scorer, sampling, *, pad_id: int):
+        self.train_set, self.scorer, self.sampling, self.pad_id = train_set, scorer, sampling, pad_id
+        self.n = sampling.n
+
+    def work(self, row: int, seed: int, keys: list[str]) -> list[SampleWork]:
+        """Sample ``j`` of the group is the request ``keys[j]``, seeded ``request_seed(seed, j)``."""
+        prompt = self.train_set.prompts[row]
+        return [SampleWork(key, prompt, dataclasses.replace(self.sampling, n=1, seed=request_seed(seed, j)))
+                for j, key in enumerate(keys)]
+
+    def score(self, row: int, outputs: list) -> RewardBatch:
+        t = self.train_set
+        return self.scorer.score([o.token_ids for o in outputs], [t.answers[row]] * len(outputs),
+                                 [t.prompt_texts[row]] * len(outputs))
+
+    def assemble(self, rows: list[int], outputs: list[list], rewards: list[RewardBatch],
+                 device: torch.device) -> StepBatch:
+        ro = rollouts_to_device(rollouts_from_outputs([o for group in outputs for o in group], self.pad_id), device)
+        sb = StepBatch.from_groups(rows, self.n, ro)
+        _set_rewards(sb, RewardBatch.concat(rewards))
+        return sb
+
+
+class EpisodeGroups:
+    kind = "agent episodes"
+
+    def __init__(self, train_set, scorer, *, n: int, pad_id: int, scores_final_answer: bool, discount: float,
+                 failure_reward: float):
+        self.train_set, self.scorer, self.n, self.pad_id = train_set, scorer, n, pad_id
+        self.scores_final_answer = scores_final_answer  # a tools class: the reward scores the final answer
+        self.discount, self.failure_reward = discount, failure_reward
+
+    def work(self, row: int, seed: int, keys: list[str]) -> list[EpisodeWork]:
+        """Episode ``j`` is ``keys[j]``, seeded ``request_seed(seed, j)`` (turn k: mixed with k)."""
+        t = self.train_set
+        data = {"prompt": t.prompt_texts[row], "answer": t.answers[row]}
+        return [EpisodeWork(key, data, request_seed(seed, j)) for j, key in enumerate(keys)]
+
+    def score(self, row: int, trajs: list[Trajectory]) -> RewardBatch:
+        failures: Counter = Counter()
+        for t in trajs:
+            t.outcome = _discounted(t.turn_rewards, self.discount)
+        answered = [t for t in trajs if t.final_answer is not None and t.status != "failed"]
+        if self.scores_final_answer and answered:
+            t = self.train_set
+            rb = self.scorer.runner.score([e.final_answer for e in answered], [t.answers[row]] * len(answered),
+                                          [str(t.prompt_texts[row])] * len(answered))
+            failures.update(rb.failures)
+            for e, s in zip(answered, rb.scores):
+                e.outcome += s
+        failed = sum(t.status == "failed" for t in trajs)
+        if failed:
+            failures["episode failed"] += failed
+        return RewardBatch(scores=[self.failure_reward if t.status == "failed" else t.outcome for t in trajs],
+                           failures=failures)
+
+    def assemble(self, rows: list[int], outputs: list[list[Trajectory]], rewards: list[RewardBatch],
+                 device: torch.device) -> StepBatch:
+        trajs = [t for group in outputs for t in group]
+        ro = trajectories_to_rollouts(trajs, self.pad_id)
+        index = []
+        for b, t in enumerate(trajs):
+            if t.status == "failed":  # alone in its group, nothing trained
+                index.append(len(rows) + b)
+                ro.response_mask[b] = 0.0
+            else:
+                index.append(b // self.n)
+        sb = StepBatch.from_rollouts(rows, index, rollouts_to_device(ro, device))
+        _set_rewards(sb, RewardBatch.concat(rewards))
+        sb.episode_metrics = episode_metrics(trajs)
+        return sb
+
+
+def _set_rewards(sb: StepBatch, rb: RewardBatch) -> None:
+    sb.failures = sum(rb.failures.values())
+    sb.extras = rb.extra_means()  # reward-reported fields (combined components, dict extras)
+    sb.raw_scores = torch.tensor(rb.scores, dtype=torch.float32, device=sb.rollouts.input_ids.device)
+    sb.scores = sb.raw_scores
+
+
+def _discounted(rewards: list[float], discount: float) -> float:
+    total = 0.0
+    for r in reversed(rewards):
+        total = r + discount * total
+    return total

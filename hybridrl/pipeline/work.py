@@ -1,0 +1,140 @@
+"""What a producer runs: *work* (one sample of a prompt, or one agent episode) on one
+engine that the producer steps, and the finished samples that come out.
+
+    runner = WorkRunner(engine, episodes=driver_or_None, step_latency_s=0.0)
+    runner.submit([SampleWork(key, prompt_ids, params), EpisodeWork(key, row, seed), ...])
+    while runner.busy():
+        for done in runner.pump():   # RequestOutput (a sample) or Trajectory (an episode)
+            ...
+
+``pump`` is one engine step — every running request of both kinds advances together
+(continuous batching) — or, when nothing can decode because every live episode waits for
+its environment, a short wait for the environment. An episode waiting for its tool never
+holds the engine's step (``agents/episode_driver.py`` runs environment calls on its own
+thread). An engine without the request API (``rollout.exact``'s, which runs the trainer's
+modules on static batches) runs every queued sample in one ``generate`` call instead.
+
+Keys: a sample's key is its engine request id; an episode's key is its episode id (its
+turns are the requests ``key/t<k>``). A finished item carries its key
+(``RequestOutput.request_id`` / ``Trajectory.episode_id``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Union
+
+from hybridrl.rollout.backend import pad_step
+from hybridrl.rollout.requests import RequestOutput
+from hybridrl.rollout.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleWork:
+    """One sample (``params.n == 1``, seeded) of a prompt."""
+
+    key: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EpisodeWork:
+    """One agent episode of a data row (``{"prompt", "answer", ...}``), seeded."""
+
+    key: str
+    row: dict
+    seed: int
+
+
+Work = Union[SampleWork, EpisodeWork]
+
+
+def finished_key(item: Any) -> str:
+    """The key of a finished sample (``RequestOutput``) or episode (``Trajectory``)."""
+    return item.request_id if isinstance(item, RequestOutput) else item.episode_id
+
+
+class WorkRunner:
+    """Samples and episodes on one engine; not thread-safe (its producer's thread only)."""
+
+    def __init__(self, engine, *, episodes=None, step_latency_s: float = 0.0, env_pool=None):
+        """``episodes``: an ``EpisodeDriver`` on ``engine`` when the run trains an agent, and
+        ``env_pool`` its environments (closed with the runner).
+        ``step_latency_s``: ``rollout.step_latency_ms`` (benchmarks): an engine step lasts at
+        least this long."""
+        self.engine, self.episodes, self.step_latency_s = engine, episodes, step_latency_s
+        self.env_pool = env_pool
+        self.requests_api = hasattr(engine, "add_request")
+        self._samples: set[str] = set()  # keys of this runner's unfinished samples
+        self._queued: list[SampleWork] = []  # an engine without the request API: the next generate call
+        self.engine_steps = 0
+
+    def submit(self, items: list[Work]) -> None:
+        for w in items:
+            if isinstance(w, EpisodeWork):
+                if self.episodes is None:
+                    raise ValueError(f"work {w.key!r} is an agent episode, but this producer has no environment "
+                                     "(env.name): the run's producers are built from one config")
+                self.episodes.add(w.key, w.row, w.seed)
+            elif self.requests_api:
+                self.engine.add_request(w.key, w.prompt, w.params)
+                self._samples.add(w.key)
+            else:
+                self._queued.append(w)
+
+    def busy(self) -> bool:
+        return bool(self._queued or self._samples or (self.episodes is not None and self.episodes.live))
+
+    def pump(self) -> list:
+        """One engine step (or a short wait for the environment); the samples and episodes it finished."""
+        if self._queued:
+            return self._generate()
+        if self.engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            finished = self.engine.step().finished
+            self.engine_steps += 1
+            pad_step(t0, self.step_latency_s)
+        else:
+            if self.episodes is not None:
+                self.episodes.wait_env(0.05)
+            finished = []
+        done = [o for o in finished if o.request_id in self._samples]
+        self._samples.difference_update(o.request_id for o in done)
+        if self.episodes is not None:
+            done.extend(self.episodes.advance(finished))
+        return done
+
+    def abort(self) -> None:
+        """Drop every unfinished sample and episode of this runner (nothing stays in the engine)."""
+        for key in list(self._samples):
+            self.engine.abort(key)
+        self._samples.clear()
+        self._queued.clear()
+        if self.episodes is not None:
+            self.episodes.abort()
+
+    def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
+        if self.env_pool is not None:
+            self.env_pool.close()
+
+    def _generate(self) -> list[RequestOutput]:
+        """Every queued sample in one ``generate`` call, as finished outputs."""
+        work, self._queued = self._queued, []
+        ro = self.engine.generate([w.prompt for w in work], [w.params for w in work])
+        version = self.engine.weight_version
+        return [RequestOutput(request_id=w.key, prompt_token_ids=list(w.prompt), token_ids=list(ro.response_token_ids[b]),
+                              logprobs=list(ro.response_logprobs[b]), token_versions=[version] * len(ro.response_token_ids[b]),
+                              finished=True, finish_reason=ro.finish_reasons[b],
+                              routed_experts=_row_routing(ro, b))
+                for b, w in enumerate(work)]
+
+
+def _row_routing(ro, b: int):
+    """Row ``b``'s routing record ``[prompt + response, layers, k]`` of a padded ``Rollouts``."""
+    if ro.routed_experts is None:
+        return None
+    return ro.routed_experts[b, :len(ro.prompt_token_ids[b]) + len(ro.response_token_ids[b])]
