@@ -9,85 +9,17 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from hybridrl.agents.chat_render import ChatRenderer, TemplateError, check_template
 from hybridrl.agents.episodes import EpisodeLimits, EpisodeRunner, truncate_middle
 from hybridrl.agents.types import EnvStep
-from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
-from tests.agents.qwen_chat import CHATML, QWEN3_STYLE, TRIMS, qwen_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen_tokenizer(CHATML)
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=1, intermediate_size=64, max_position_embeddings=1024,
-                                   tie_word_embeddings=False)
-    m = transformers.Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # <|im_end|>'s logit ~10.5 where the rest are ~N(0, 1): p ~ 0.1, turns end
-        h = m.model(torch.randint(0, len(tok), (4, 64))).last_hidden_state.mean(dim=(0, 1))
-        m.lm_head.weight[tok.convert_tokens_to_ids("<|im_end|>")] = h * (10.5 / h.dot(h))
-    return m
-
-
-class EchoEnv:
-    """A tool-like environment: each turn gets a tool message (random text, sometimes long)
-    until turn 3, then done."""
-
-    def __init__(self, seed: int):
-        self.rng = random.Random(seed)
-        self.turns = {}
-
-    def reset(self, eids, rows):
-        for e in eids:
-            self.turns[e] = 0
-        return [EnvStep(messages=[{"role": "user", "content": r["prompt"]}]) for r in rows]
-
-    def step(self, items):
-        out = []
-        for eid, text in items:
-            self.turns[eid] += 1
-            words = " ".join(self.rng.choice(["sum", "42", "é", "tool", "\n", "{x}", "résultat"])
-                             for _ in range(self.rng.randint(1, 40)))
-            done = self.turns[eid] >= 3
-            out.append(EnvStep(messages=[] if done else [{"role": "tool", "name": "echo", "content": words}],
-                               reward=1.0 if done else 0.0, done=done, final_answer=text if done else None))
-        return out
-
-    def end(self, eid):
-        self.turns.pop(eid, None)
-
-
-def _engine(model, max_seq_len=768):
-    engine = RolloutEngine(model.config, EngineSpec(max_batch_size=4, max_seq_len=max_seq_len))
-    engine.load_weights(model.named_parameters())
-    return engine
-
-
-class Recording:
-    """The engine's outputs as they come (to compare the trained ids with what was sampled)."""
-
-    def __init__(self, engine):
-        self.engine, self.outputs = engine, {}
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def step(self):
-        out = self.engine.step()
-        for o in out.finished:
-            self.outputs[o.request_id] = o
-        return out
+from hybridrl.rollout import SamplingParams
+from tests.agents.qwen_chat import QWEN3_STYLE, TRIMS, qwen_tokenizer
+from tests.agents.tiny_agent import EchoEnv, Recording, tiny_engine
 
 
 def test_trained_ids_are_the_sampled_ids_and_the_mask_is_zero_on_environment_spans(tok, model):
-    engine = Recording(_engine(model))
+    engine = Recording(tiny_engine(model))
     renderer = ChatRenderer(tok)
     env = EchoEnv(seed=random.randrange(1 << 30))
     runner = EpisodeRunner(engine, env, renderer, tok, SamplingParams(temperature=1.0, max_tokens=24),
@@ -119,7 +51,7 @@ def test_the_trainers_log_probs_on_sampled_tokens_equal_the_engines(tok, model):
     from hybridrl.agents.trajectory import trajectories_to_rollouts
     from hybridrl.trainer.logprobs import logprobs_in_microbatches
 
-    engine = _engine(model)
+    engine = tiny_engine(model)
     runner = EpisodeRunner(engine, EchoEnv(seed=1), ChatRenderer(tok), tok,
                            SamplingParams(temperature=1.0, max_tokens=16), EpisodeLimits(max_turns=4))
     trajs = runner.run([{"prompt": "Hi there, use the echo tool."}, {"prompt": "Again."}], n=2,
@@ -153,7 +85,7 @@ def test_tool_responses_are_cut_in_the_middle_and_an_exact_fit_is_kept(tok):
 
 
 def test_turn_and_context_limits_end_episodes_truncated(tok, model):
-    engine = _engine(model, max_seq_len=160)
+    engine = tiny_engine(model, max_seq_len=160)
 
     class Endless(EchoEnv):
         def step(self, items):
