@@ -104,8 +104,8 @@ class EpisodeDriver:
             raise ValueError(f"EpisodeDriver.add: episode {episode_id!r} is still running; give each live "
                              "episode its own id")
         e = _Episode(next(self._keys), episode_id, row, row_index, seed)
-        self._episodes[episode_id] = e
         self._call(e, RESET, row)
+        self._episodes[episode_id] = e
 
     def advance(self, finished: list) -> list[Trajectory]:
         """Take the outputs one engine step finished (others' ids are skipped), apply the env

@@ -5,7 +5,8 @@ engines and real environment worker processes:
   the synchronous runner it replaced (``reference_runner.py``), environment calls' order included;
 - overlapped environment calls give the episodes of the synchronous ones (each episode's
   tokens depend only on its own seeds and environment) while the engine keeps stepping;
-- a lockstep follower without environments makes the leader's episodes exactly;
+- a lockstep follower without environments makes the leader's episodes exactly, and raises
+  with the leader when the leader's env pool itself breaks;
 - an environment that raises, hangs or dies costs its episode only; abort() or an engine
   error mid-run leaves nothing of the driver in a shared engine, which serves on.
 """
@@ -298,3 +299,41 @@ def test_episode_ids_are_unique_while_live_and_a_follower_needs_lockstep(tok, mo
         driver.add("a", {"prompt": "hi"}, 2)
     driver.close()
     assert driver.live == 0 and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlap"])
+def test_a_leaders_broken_env_pool_raises_on_every_rank_at_the_same_advance(tok, model, overlap):
+    """A pool call that raises (not an environment's failure: the pool itself) is the driver's
+    error; the leader broadcasts it, so a follower raises instead of waiting forever."""
+
+    class Broken(EchoEnv):
+        def step(self, items):
+            raise OSError("the env pool's socket closed")
+
+    channel: queue.Queue = queue.Queue()
+    engines = [tiny_engine(model), tiny_engine(model)]
+    long_turns = SamplingParams(temperature=1.0, max_tokens=200)  # the first turn ends (p ~ 1 - 0.9**200)
+    drivers = [EpisodeDriver(engines[0], Broken(0), ChatRenderer(tok), tok, long_turns, EpisodeLimits(),
+                             overlap=overlap, lockstep=lambda events: channel.put(list(events)) or events),
+               EpisodeDriver(engines[1], None, ChatRenderer(tok), tok, long_turns, EpisodeLimits(),
+                             lockstep=lambda events: channel.get(timeout=120))]
+    for d in drivers:
+        d.add("a", {"prompt": "hi"}, 1)
+    errors: list = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            produce(engines[r], drivers[r])
+        except Exception as e:  # noqa: BLE001 - checked below
+            errors[r] = e
+        finally:
+            drivers[r].close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert isinstance(errors[0], OSError) and "socket closed" in str(errors[0])
+    assert isinstance(errors[1], RuntimeError) and "leader's env pool raised OSError" in str(errors[1])
+    assert not any(e.has_unfinished_requests() or e.scheduler.prefixes.entries for e in engines)
