@@ -16,6 +16,8 @@ import torch
 
 from hybridrl.pipeline.coordinator import Pipeline
 from hybridrl.pipeline.plan import PromptPlan
+from hybridrl.pipeline.source import SourceSettings
+from hybridrl.pipeline.tasks import SingleTurnGroups
 from hybridrl.rewards import RewardBatch
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.requests import RequestOutput
@@ -37,11 +39,11 @@ class RandomSpeedProducer:
         self.version = version
         self.thread.start()
 
-    def submit(self, requests):
+    def submit(self, work):
         with self.lock:
-            for rid, prompt, params in requests:
+            for w in work:  # SampleWork: one sample of a prompt
                 tail = self.rng.random() < 0.1  # a long-tailed answer now and then
-                self.active.append({"rid": rid, "prompt": prompt, "tokens": [], "versions": [],
+                self.active.append({"rid": w.key, "prompt": w.prompt, "tokens": [], "versions": [],
                                     "length": self.rng.randint(20, 60) if tail else self.rng.randint(1, 8)})
 
     def refit(self, model, version):
@@ -72,6 +74,18 @@ def score(responses, answers, texts):
     return RewardBatch(scores=[float(len(r) % 2) for r in responses])
 
 
+class TrainerEngine:
+    """The trainer's own engine (the source's ``local``): only takes the publications
+    made before the source starts."""
+
+    def __init__(self):
+        self.version = 0
+
+    def push(self, model, version):
+        self.version = version
+        return SimpleNamespace(bytes_moved=0)
+
+
 def draw_for(train_size: int, prompts_per_step: int):
     def draw(rng):
         rows = rng.sample(range(train_size), prompts_per_step)
@@ -87,31 +101,37 @@ def test_no_trained_token_is_staler_than_the_bound(max_staleness: int, partial: 
     P, n, steps, train_size = 3, 2, 10, 50
     train_set = SimpleNamespace(prompts=[[i % 7 + 1, 3] for i in range(train_size)], answers=[None] * train_size,
                                 prompt_texts=[""] * train_size)
-    pipe = Pipeline(make_producer=lambda i, sink, wake: RandomSpeedProducer(i, sink, wake, random.Random(rng.random())),
-                    workers=workers, train_set=train_set, score=score, sampling=SamplingParams(n=n, max_tokens=64),
-                    prompts_per_step=P, max_staleness=max_staleness, partial=partial, timeout_s=60, restarts=0,
-                    pad_id=0, device=torch.device("cpu"), console=print)
+    settings = SourceSettings(mode="async" if partial else "one_step_off", groups_per_step=P,
+                              max_staleness=max_staleness, partial=partial, workers=workers, timeout_s=60, restarts=0)
+    groups = SingleTurnGroups(train_set, SimpleNamespace(score=score), SamplingParams(n=n, max_tokens=64), pad_id=0)
+    pipe = Pipeline(settings=settings, groups=groups, local=TrainerEngine(),
+                    make_producer=lambda i, sink, wake: RandomSpeedProducer(i, sink, wake, random.Random(rng.random())),
+                    weights=lambda model: model, device=torch.device("cpu"), console=print)
     draw = draw_for(train_size, P)
     start_version = 7
-    pipe.start(None, draw=draw, rng=random.Random(seed + 1), version=start_version, first_step=1)
+    for _ in range(start_version):  # the source decides the versions: the run starts at the 7th publication
+        pipe.publish(None)
+    pipe.start(None, draw=draw, rng=random.Random(seed + 1), first_step=1)
     reference = PromptPlan(draw, random.Random(seed + 1), 1)
     try:
         stale_seen = 0
         for step in range(1, steps + 1):
             batch = pipe.take(None)
+            sb = batch.step_batch
             trained_at = start_version + step - 1
             assert pipe.version == trained_at
-            tv, mask = batch.rollouts.token_versions, batch.rollouts.response_mask.bool()
+            tv, mask = sb.rollouts.token_versions, sb.rollouts.response_mask.bool()
             lags = (trained_at - tv[mask]).tolist()
             assert lags and max(lags) <= max_staleness and min(lags) >= 0, (seed, step, sorted(set(lags)))
             assert batch.metrics["async/staleness_max"] == max(lags)
+            assert batch.stale == (max(lags) > 0)
             if not partial:  # one_step_off: a batch is generated under one version
                 assert len(set(tv[mask].tolist())) == 1, (seed, step)
             stale_seen += max(lags) > 0
-            assert batch.batch_idx == reference.get(step)[0]  # the step's own prompts, in draw order
+            assert sb.batch_idx == reference.get(step)[0]  # the step's own prompts, in draw order
             assert batch.metrics["async/buffer_groups"] <= max_staleness * P  # throttled, never more
             time.sleep(rng.random() * 0.01)  # training takes a while
-            pipe.publish(None)
+            assert pipe.publish(None).version == trained_at + 1
         if max_staleness > 0:
             assert stale_seen > 0, "the run never overlapped: the test did not exercise the bound"
         assert [row for _, _, row in pipe.consumed] == [r for s in range(1, steps + 1) for r in reference.get(s)[0]]

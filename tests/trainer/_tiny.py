@@ -9,19 +9,22 @@ TINY_MODEL = [
 
 
 def sampled_batch(step, seed: int, *, random_advantages: bool = False):
-    """One step's batch through the step's own phases (sample, score, log-probs, advantages,
-    corrections), from ``seed``. ``random_advantages``: a fresh random advantage per row over
-    its response instead — a tiny policy often scores all-zero (no gradient), and an update
-    test does not care where the advantages come from."""
+    """One step's batch through the step's own phases (the source's batch: sampled and
+    scored; reward shaping, log-probs, advantages, corrections), its prompts drawn from
+    ``seed`` (the source starts at step 1 on ``random.Random(seed)``). ``random_advantages``:
+    a fresh random advantage per row over its response instead — a tiny policy often scores
+    all-zero (no gradient), and an update test does not care where the advantages come from."""
     import random
 
     import torch
 
-    sb = step.sample(random.Random(seed))
-    step.score(sb)
+    step.start(random.Random(seed), 1)
+    batch = step.source.take(step.actor.model)
+    sb = batch.step_batch
+    step.shape_rewards(sb)
     step.log_probs(sb)
     step.advantages(sb)
-    step.corrections(sb)
+    step.corrections(sb, stale=batch.stale)
     if random_advantages:
         mask = sb.loss_mask
         sb.tensors["advantages"] = torch.randn(mask.shape[0], 1, dtype=torch.float64).float() * mask

@@ -61,6 +61,7 @@ def test_actor_gradient_equals_float64_reference(tmp_path, shared_prefix, mode):
         assert ref.norm() > 0
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6 * float(ref.abs().max()))
     finally:
+        run.step.close()
         run.step.scorer.close()
         run.directory.close()
 
@@ -91,5 +92,6 @@ def test_the_worst_token_gap_is_reported_not_only_the_mean(tmp_path):
         assert abs(moved["rollout/trainer_logprob_abs_diff_max"] - 1.0) < 1e-3, (seed, moved)
         assert moved["rollout/trainer_logprob_abs_diff"] < 0.5, (seed, moved)  # the mean hides it
     finally:
+        run.step.close()
         run.step.scorer.close()
         run.directory.close()
