@@ -240,18 +240,22 @@ class Pipeline:
         informative = self.book.informative(step, self.rounds.get(step, 0), self.s.groups_per_step)
         if informative is None:
             return False
-        if (self.s.dynamic_sampling and informative < self.s.groups_per_step
-                and self.rounds.get(step, 0) < self.s.refill_rounds):
-            self._refill(step)
-            return False
+        rounds = self.rounds.get(step, 0)
+        if self.s.dynamic_sampling and informative < self.s.groups_per_step and self.s.refill_rounds:
+            if rounds < self.s.refill_rounds:
+                self._refill(step)
+                return False
+            self.console(f"step {step}: dynamic sampling found {informative} of {self.s.groups_per_step} informative "
+                         f"prompt groups after {rounds} refill rounds (algo.dapo.refill_rounds={self.s.refill_rounds});"
+                         " training on those (raise refill_rounds, or check the reward)")
         return True
 
     def _metrics(self, step: int, sb, waited: float) -> dict[str, float]:
         ro = sb.rollouts
         st = staleness_metrics(ro.token_versions, ro.response_mask, self.version_of_step(step), self.s.max_staleness)
         out = {"batch/refill_rounds": float(self.rounds.get(step, 0))} if self.s.dynamic_sampling else {}
-        if self.s.max_staleness == 0:
-            return out  # synchronous: the bound (0) is checked, nothing else to report
+        if self.s.mode == "sync":
+            return out  # the trainer's own engine: the bound (0) is checked, nothing else to report
         buffered = self.book.finished_count()
         capacity = (self.s.max_staleness + 1) * self.s.groups_per_step
         out.update(st)

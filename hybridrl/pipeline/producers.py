@@ -21,6 +21,7 @@ rollouts: every token carries the version that sampled it).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Callable, Protocol
@@ -29,6 +30,7 @@ import torch
 
 from hybridrl.pipeline.work import Work, WorkRunner, finished_key
 from hybridrl.refit import RefitStats, refit_from_model
+from hybridrl.rollout.requests import RequestOutput
 
 Sink = Callable[[int, list], None]
 
@@ -98,8 +100,10 @@ class InlineProducer:
         """Admit pending work and run one engine step; whether anything ran."""
         work, self._pending = self._pending, []
         mesh = self.worker.mesh
+        if mesh is not None:  # every group rank adds every rank's work, in rank order, under rank-unique keys
+            work = [dataclasses.replace(w, key=f"{mesh.tp.rank}@{w.key}") for w in work]
         self._own.update(w.key for w in work)
-        if mesh is not None:  # every group rank adds every rank's work, in rank order
+        if mesh is not None:
             work, _ = mesh.gather(work)
         if work:
             self.runner.submit(work)
@@ -108,7 +112,7 @@ class InlineProducer:
         finished = [f for f in self.runner.pump() if finished_key(f) in self._own]
         self._own.difference_update(finished_key(f) for f in finished)
         if finished:
-            self._sink(self.index, finished)
+            self._sink(self.index, finished if mesh is None else [_unprefixed(f) for f in finished])
         return True
 
     def release_memory(self) -> None:
@@ -117,6 +121,12 @@ class InlineProducer:
     def close(self) -> None:
         self.runner.abort()
         self.runner.close()
+
+
+def _unprefixed(item):
+    """A finished sample or episode under its source's key (a TP group's ``rank@key``)."""
+    field = "request_id" if isinstance(item, RequestOutput) else "episode_id"
+    return dataclasses.replace(item, **{field: finished_key(item).split("@", 1)[1]})
 
 
 class LocalProducer:

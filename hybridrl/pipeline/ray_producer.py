@@ -45,8 +45,8 @@ class RolloutActor:
     def submit(self, work: list) -> None:
         self._producer.submit(work)
 
-    def refit(self, named: list, version: int, partial: bool = False) -> None:
-        self._producer.refit(named, version, partial=partial)
+    def refit(self, named: list, version: int, partial: bool = False):
+        return self._producer.refit(named, version, partial=partial)
 
     def poll(self, timeout_s: float) -> tuple[list, float, str | None]:
         """Finished samples (waits up to ``timeout_s`` for the first), idle seconds, failure."""
@@ -107,11 +107,12 @@ class RayProducer:
     def submit(self, work: list[Work]) -> None:
         self.actor.submit.remote(work)  # calls from one caller run in order
 
-    def refit(self, model: torch.nn.Module, version: int) -> None:
+    def refit(self, model: torch.nn.Module, version: int):
         named, partial = self.payload.next(model)
-        self._get(self.actor.refit.remote(_put(named), version, partial), "on a refit")
+        stats = self._get(self.actor.refit.remote(_put(named), version, partial), "on a refit")
         self.payload.done()
         self.version = version
+        return stats
 
     def _collect(self) -> None:
         while not self._closing:

@@ -14,6 +14,7 @@ import torch
 from hybridrl.pipeline.producers import ProducerError, Sink
 from hybridrl.pipeline.work import Work
 from hybridrl.pipeline.worker import WorkerSpec, worker_main
+from hybridrl.refit import RefitStats
 from hybridrl.refit.errors import RefitError
 
 
@@ -92,20 +93,21 @@ class RemoteProducer:
     def submit(self, work: list[Work]) -> None:
         self._send(("add", work))
 
-    def refit(self, model: torch.nn.Module, version: int) -> None:
-        self._refit(model, version)
+    def refit(self, model: torch.nn.Module, version: int) -> RefitStats:
+        return self._refit(model, version)
 
-    def _refit(self, model: torch.nn.Module, version: int, *, fresh: bool = False) -> None:
+    def _refit(self, model: torch.nn.Module, version: int, *, fresh: bool = False) -> RefitStats:
         from hybridrl.refit.shm import send_refit
 
         named, partial = self.payload.next(model, fresh=fresh)
         self._send(("refit",))
         try:
-            send_refit(self._channel, named, timeout_s=self.spec.timeout_s, partial=partial, version=version)
+            stats = send_refit(self._channel, named, timeout_s=self.spec.timeout_s, partial=partial, version=version)
         except RefitError as e:
             raise ProducerError(f"rollout worker {self.index} (pid {self.pid}): refit failed: {e}") from None
         self.payload.done()
         self.version = version
+        return stats
 
     def _send(self, msg) -> None:
         try:

@@ -1,7 +1,7 @@
-"""The rollout phase of an agent run (``trainer/episode_sampler.py``) when environments fail:
-an environment that raises on reset or on a step (real worker processes, ``EnvPool``) ends its
+"""Agent groups (``pipeline/tasks.py``: ``EpisodeGroups``) when environments fail: an
+environment that raises on reset or on a step (real worker processes, ``EnvPool``) ends its
 episode, which is then left out of training (all-zero loss mask) and out of its group's GRPO
-baseline, and counted. The advantages the step computes from the sampler's batch are checked
+baseline, and counted. The advantages the step computes from the groups' batch are checked
 against a hand computation over the surviving episodes of each group."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hybridrl.agents.env_pool import EnvPool
 from hybridrl.agents.episodes import EpisodeLimits, EpisodeRunner
 from hybridrl.data.chat_tokenizer import END, build_chat_char_tokenizer
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
-from hybridrl.trainer.episode_sampler import EpisodeSampler
+from hybridrl.pipeline.tasks import EpisodeGroups
 from hybridrl.trainer.prompts import PromptSet
 
 SCRIPTED = f"{Path(__file__).resolve().parents[1] / 'agents' / 'envs_for_tests.py'}:Scripted"
@@ -90,17 +90,14 @@ def test_failed_episodes_end_train_nothing_and_stay_out_of_their_groups_baseline
     with EnvPool(SCRIPTED, workers=2, timeout_s=600) as pool:  # timeout: a hang guard, never reached
         runner = EpisodeRunner(engine, IndexedEpisodes(pool), ChatRenderer(tok), tok,
                                SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), EpisodeLimits(max_turns=TURNS))
-        trajs = []
-        real_run = runner.run
-
-        def run(*args, **kwargs):  # the episodes the sampler gets, to check its batch row by row
-            trajs.extend(real_run(*args, **kwargs))
-            return trajs
-
-        runner.run = run
-        sampler = EpisodeSampler(runner, scorer=None, scores_final_answer=False, failure_reward=0.0)
+        groups = EpisodeGroups(train_set, scorer=None, n=N, pad_id=0, scores_final_answer=False, discount=1.0,
+                               failure_reward=0.0)
         batch_idx = [2, 0, 1]  # the step's draw order, not the set's
-        sb = sampler.sample(train_set, batch_idx, [rng.randrange(2**62) for _ in batch_idx], N, torch.device("cpu"))
+        rows = [{"prompt": train_set.prompt_texts[i], "answer": train_set.answers[i]} for i in batch_idx]
+        trajs = runner.run(rows, N, [rng.randrange(2**62) for _ in batch_idx])
+        per = [trajs[g * N:(g + 1) * N] for g in range(len(batch_idx))]
+        sb = groups.assemble(batch_idx, per, [groups.score(i, per[g]) for g, i in enumerate(batch_idx)],
+                             torch.device("cpu"))
         assert pool.running == [], f"seed {seed}: an ended episode's environment state is still held"
 
     where = f"seed {seed}, scripts {[scripts[i] for i in batch_idx]}"
@@ -126,7 +123,7 @@ def test_failed_episodes_end_train_nothing_and_stay_out_of_their_groups_baseline
             assert trained == 0, (where, b, trained)
         else:  # every turn sampled at least its end-of-turn token
             assert trained == t.trained_tokens >= TURNS, (where, b, trained)
-    # counted
+    # counted (as reward failures of kind "episode failed")
     assert sb.failures == len(failed), where
     assert sb.episode_metrics["agent/failed"] == len(failed) / len(trajs), where
 
