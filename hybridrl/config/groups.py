@@ -14,6 +14,8 @@ from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, 
 from hybridrl.config.algo import AlgoConfig
 from hybridrl.config.base import ConfigError, _f, check_number, check_seed
 from hybridrl.config.model import ModelConfig
+from hybridrl.config.sampling import sampling_problem
+from hybridrl.quant.schemes import QUANTIZATIONS
 
 MAX_RESPONSE_TOKENS = 1 << 17  # beyond any model's context today; a typo guard, not a model limit
 
@@ -130,18 +132,13 @@ class RolloutConfig:
                                       "it differs from the rollout's by one bit (a check, not needed)")
 
     def __post_init__(self) -> None:
-        from hybridrl.rollout.sampling_params import SamplingParams
-
         check_number(self.temperature, "rollout.temperature", low=0)
         check_number(self.max_tokens, "rollout.max_tokens", low=1, high=MAX_RESPONSE_TOKENS)
         check_number(self.step_latency_ms, "rollout.step_latency_ms", low=0)
-        try:  # the engine's own checks, one source of truth, reported under this group's keys
-            SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                           max_tokens=self.max_tokens, n=self.n)
-        except ValueError as e:
-            raise ConfigError(str(e).replace("SamplingParams.", "rollout.")) from None
-        from hybridrl.rollout.layers.quantization import QUANTIZATIONS
-
+        problem = sampling_problem(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                   max_tokens=self.max_tokens, n=self.n)  # the engines' own rule
+        if problem is not None:
+            raise ConfigError(f"rollout.{problem}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"rollout.quantization={self.quantization!r}: use null, fp8 or fp8_block (dense "
                               "linears), mxfp4 (MoE experts), or fp8+mxfp4 / fp8_block+mxfp4")

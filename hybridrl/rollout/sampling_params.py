@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridrl.config.sampling import sampling_problem
+
 
 @dataclass(kw_only=True, frozen=True)
 class SamplingParams:
@@ -23,14 +25,8 @@ class SamplingParams:
     """samples per prompt (rows are consecutive in the output)."""
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k={self.top_k} must be -1 (off) or >= 1")
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens} must be >= 1")
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n={self.n} must be >= 1")
+        problem = sampling_problem(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                   max_tokens=self.max_tokens, n=self.n)
+        if problem is not None:
+            raise ValueError(f"SamplingParams.{problem}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

@@ -15,8 +15,7 @@ from __future__ import annotations
 from hybridrl.rollout.layers.fused_moe import FusedMoEMethodBase, Mxfp4FusedMoEMethod, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 
-QUANTIZATIONS = (None, "fp8", "fp8_block", "fp8_block_ue8m0", "mxfp4", "fp8+mxfp4", "fp8_block+mxfp4",
-                 "fp8_block_ue8m0+mxfp4")
+from hybridrl.quant.schemes import QUANTIZATIONS
 
 
 def _split(quantization: str | None) -> tuple[str | None, str | None]:
