@@ -77,7 +77,7 @@ def test_sigkill_at_a_random_moment_then_resume_trains_every_prompt_once(tmp_pat
     assert "resumed from" in out and "finished prompt groups restored" in out, out[-2000:]
 
     state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=True)
-    consumed = [tuple(x) for x in state["step"]["pipeline"]["consumed"].tolist()]
+    consumed = [tuple(x) for x in state["step"]["source"]["consumed"].tolist()]
     want = planned_rows(STEPS, prompts_per_step=4)
     assert len(consumed) == len(set((s, g) for s, g, _ in consumed)), "a prompt group was trained twice"
     assert sorted(consumed) == sorted(want), "a prompt was lost or trained out of plan"

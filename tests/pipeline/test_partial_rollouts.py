@@ -14,9 +14,13 @@ import transformers
 
 from hybridrl.pipeline.coordinator import Pipeline
 from hybridrl.pipeline.producers import LocalProducer
+from hybridrl.pipeline.source import SourceSettings
+from hybridrl.pipeline.tasks import SingleTurnGroups
+from hybridrl.pipeline.work import WorkRunner
 from hybridrl.rewards import RewardBatch
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 from hybridrl.trainer.rollout_worker import RolloutWorker
+from hybridrl.trainer.weight_sync import WeightSyncSpec
 
 
 def _model(seed: int):
@@ -41,21 +45,29 @@ def test_requests_in_flight_continue_under_each_new_version() -> None:
     train_set = SimpleNamespace(prompts=prompts, answers=[None] * 20, prompt_texts=[""] * 20)
     sampling = SamplingParams(n=n, max_tokens=L, temperature=1.0)  # no stop token: every answer is L long
 
+    def worker(engine):
+        return RolloutWorker(engine, sampling, device=torch.device("cpu"),
+                             sync=WeightSyncSpec(bucket_bytes=1 << 20, verify=True))
+
     def make(i, sink, wake):
         engine = RolloutEngine(models[3].config, EngineSpec(max_batch_size=16, max_seq_len=32), kv_on_refit="recompute")
-        worker = RolloutWorker(engine, sampling, device=torch.device("cpu"), bucket_bytes=1 << 20,
-                               verify_refit=True)
-        return LocalProducer(i, worker, sink, wake, step_latency_s=0.02)  # >= 0.48 s per answer
+        runner = WorkRunner(engine, step_latency_s=0.02)  # >= 0.48 s per answer
+        return LocalProducer(i, worker(engine), runner, sink, wake)
 
     def draw(r):
         rows = r.sample(range(20), P)
         return rows, [r.randrange(2**62) for _ in rows]
 
-    pipe = Pipeline(make_producer=make, workers=1, train_set=train_set,
-                    score=lambda resp, ans, txt: RewardBatch(scores=[0.0] * len(resp)), sampling=sampling,
-                    prompts_per_step=P, max_staleness=1, partial=True, timeout_s=60, restarts=0, pad_id=0,
-                    device=torch.device("cpu"), console=lambda line: None)
-    pipe.start(models[3], draw=draw, rng=random.Random(rng.random()), version=3, first_step=1)
+    scorer = SimpleNamespace(score=lambda resp, ans, txt: RewardBatch(scores=[0.0] * len(resp)))
+    trainer_engine = RolloutEngine(models[3].config, EngineSpec(max_batch_size=2, max_seq_len=32))
+    pipe = Pipeline(settings=SourceSettings(mode="async", groups_per_step=P, max_staleness=1, partial=True,
+                                            workers=1, timeout_s=60, restarts=0),
+                    groups=SingleTurnGroups(train_set, scorer, sampling, pad_id=0), local=worker(trainer_engine),
+                    make_producer=make, weights=lambda model: model, device=torch.device("cpu"),
+                    console=lambda line: None)
+    for _ in range(3):  # the source decides the versions: models[3] is the third publication
+        pipe.publish(models[3])
+    pipe.start(models[3], draw=draw, rng=random.Random(rng.random()), first_step=1)
     try:
         pipe.take(models[3])  # step 1 (steps 1 and 2 were generated together, under version 3)
         pipe.publish(models[4])  # admits step 3: it starts under version 4
@@ -65,7 +77,7 @@ def test_requests_in_flight_continue_under_each_new_version() -> None:
         batch = pipe.take(models[5])
     finally:
         pipe.close()
-    ro = batch.rollouts
+    ro = batch.step_batch.rollouts
     mixed = 0
     for row in range(ro.input_ids.shape[0]):
         mask = ro.response_mask[row].bool()
@@ -81,4 +93,4 @@ def test_requests_in_flight_continue_under_each_new_version() -> None:
                 ref = _logprobs(model, ids, start)
                 torch.testing.assert_close(engine_lp[at], ref[at], atol=1e-4, rtol=1e-4)
     assert mixed > 0, "no answer spanned the refit: the test did not exercise partial rollouts"
-    assert batch.metrics["async/staleness_max"] == 1
+    assert batch.metrics["async/staleness_max"] == 1 and batch.stale

@@ -15,7 +15,7 @@ from _async_run import ASYNC_JOB
 
 from hybridrl.config.io import load_config
 from hybridrl.job.loop import train
-from hybridrl.pipeline import producers
+from hybridrl.pipeline import remote
 from hybridrl.pipeline.producers import ProducerError
 
 
@@ -25,17 +25,17 @@ def _kill_first_worker_mid_run(monkeypatch) -> list:
     the machine's speed (a fixed delay after the first admission could fall after a fast run)."""
     started: list = []
     calls: list = []
-    original = producers.RemoteProducer.submit
+    original = remote.RemoteProducer.submit
 
-    def submit(self, requests):
-        original(self, requests)
+    def submit(self, work):
+        original(self, work)
         calls.append(self)
         if len(calls) == 2 and not started:
             started.append(self)
             delay = random.Random(_seeds.fresh_seed()).uniform(0.0, 0.05)
             threading.Timer(delay, os.kill, (self.process.pid, signal.SIGKILL)).start()
 
-    monkeypatch.setattr(producers.RemoteProducer, "submit", submit)
+    monkeypatch.setattr(remote.RemoteProducer, "submit", submit)
     return started
 
 
@@ -67,13 +67,13 @@ def test_two_worker_processes_serve_one_trainer(tmp_path, monkeypatch) -> None:
     """pipeline.workers=2: whole groups go to the less loaded worker; both are refit every step
     (each takes part in every step's bound: staleness <= 1 throughout)."""
     submitted: dict[int, int] = {}
-    original = producers.RemoteProducer.submit
+    original = remote.RemoteProducer.submit
 
-    def submit(self, requests):
-        submitted[self.index] = submitted.get(self.index, 0) + len(requests)
-        original(self, requests)
+    def submit(self, work):  # one SampleWork per sample
+        submitted[self.index] = submitted.get(self.index, 0) + len(work)
+        original(self, work)
 
-    monkeypatch.setattr(producers.RemoteProducer, "submit", submit)
+    monkeypatch.setattr(remote.RemoteProducer, "submit", submit)
     job = ASYNC_JOB + ["trainer.total_steps=3", "checkpoint.save=false", "pipeline.workers=2",
                        "pipeline.worker_threads=1", f"trainer.output_dir={tmp_path}"]
     steps = [r for r in train(load_config(None, job)).history if "reward/mean" in r]
