@@ -6,7 +6,7 @@ turn — a request that continues the previous one (``parent=``), so the convers
 never prefilled again. The driver never steps the engine: a producer does, mixing the
 driver's requests with any others, and feeds it what each step finished::
 
-    driver = EpisodeDriver(engine, env_pool, ChatRenderer(tokenizer, env_pool.schemas), tokenizer,
+    driver = EpisodeDriver(engine, env_pool, ChatRenderer(tokenizer, env_pool.schemas),
                            SamplingParams(temperature=1.0, max_tokens=256), EpisodeLimits(max_turns=8))
     driver.add("ep0-0-0", {"prompt": ..., "answer": ...}, seed)
     while driver.live or other_work:
@@ -71,7 +71,7 @@ class _Episode:
 class EpisodeDriver:
     """Episodes as requests on an engine stepped by someone else (see the module docstring)."""
 
-    def __init__(self, engine: Any, env_pool: Any, renderer: ChatRenderer, tokenizer: Any, sampling: SamplingParams,
+    def __init__(self, engine: Any, env_pool: Any, renderer: ChatRenderer, sampling: SamplingParams,
                  limits: EpisodeLimits, *, overlap: bool = True, env_latency_s: float = 0.0,
                  lockstep: Callable[[list[EnvEvent]], list[EnvEvent]] | None = None):
         if not (isinstance(env_latency_s, (int, float)) and math.isfinite(env_latency_s) and env_latency_s >= 0):
@@ -80,7 +80,8 @@ class EpisodeDriver:
         if env_pool is None and lockstep is None:
             raise ValueError("EpisodeDriver: env_pool=None is for a lockstep follower; pass the env pool, or "
                              "lockstep= on a follower rank")
-        self.engine, self.env_pool, self.renderer, self.tokenizer = engine, env_pool, renderer, tokenizer
+        self.engine, self.env_pool, self.renderer = engine, env_pool, renderer
+        self.tokenizer = renderer.tokenizer
         self.sampling = turn_sampling(sampling, renderer)
         self.limits, self.lockstep = limits, lockstep
         self.context = min(limits.context_tokens or engine.max_seq_len, engine.max_seq_len)

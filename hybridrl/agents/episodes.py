@@ -60,5 +60,5 @@ class EpisodeRunner:
         return [done[e] for e in eids]
 
     def _driver(self) -> EpisodeDriver:
-        return EpisodeDriver(self.engine, self.env_pool, self.renderer, self.tokenizer, self.sampling,
+        return EpisodeDriver(self.engine, self.env_pool, self.renderer, self.sampling,
                              self.limits, overlap=False)

@@ -141,7 +141,7 @@ def episode_driver(cfg: Config, engine, tokenizer, pool, sampling, *, lockstep=N
     renderer = ChatRenderer(tokenizer, pool.schemas)
     check_template(renderer, name=f"the tokenizer's ({cfg.model.path or 'built-in'})")
     e = cfg.env
-    return EpisodeDriver(engine, pool if leader else None, renderer, tokenizer, sampling, episode_limits(cfg),
+    return EpisodeDriver(engine, pool if leader else None, renderer, sampling, episode_limits(cfg),
                          overlap=e.overlap if overlap is None else overlap, env_latency_s=e.latency_ms / 1000,
                          lockstep=lockstep)
 

@@ -117,7 +117,7 @@ def test_overlapped_env_calls_give_the_synchronous_episodes(tok, model):
     with EnvPool(TURNS, workers=2, timeout_s=60) as pool:
         for overlap in (False, True):
             engine = tiny_engine(model)
-            driver = EpisodeDriver(engine, pool, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(max_turns=4),
+            driver = EpisodeDriver(engine, pool, ChatRenderer(tok), SAMPLING, EpisodeLimits(max_turns=4),
                                    overlap=overlap, env_latency_s=0.02 if overlap else 0.0)
             eids = add_group(driver, rows, 3, seeds)
             ended = {t.episode_id: t for t in produce(engine, driver)}
@@ -156,7 +156,7 @@ def test_the_engine_steps_while_a_slow_tool_runs(tok, model):
     overlapped = []
     with EnvPool(TURNS, workers=2, timeout_s=60) as pool:
         watched = Watched(pool)
-        driver = EpisodeDriver(engine, watched, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(max_turns=4))
+        driver = EpisodeDriver(engine, watched, ChatRenderer(tok), SAMPLING, EpisodeLimits(max_turns=4))
         engine.add_request("other", tok.encode("Not an episode."), SamplingParams(temperature=1.0, max_tokens=64,
                                                                                    seed=1))
         rows = [{"prompt": "Use the echo tool.", "sleep": 0.2}, {"prompt": "Again.", "sleep": 0.2}]
@@ -189,9 +189,9 @@ def test_a_lockstep_follower_without_environments_makes_the_leaders_episodes(tok
     seeds = [random.randrange(1 << 62) for _ in rows]
     results: list = [None, None]
     with EnvPool(TURNS, workers=2, timeout_s=60) as pool:
-        drivers = [EpisodeDriver(engines[0], pool, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(max_turns=4),
+        drivers = [EpisodeDriver(engines[0], pool, ChatRenderer(tok), SAMPLING, EpisodeLimits(max_turns=4),
                                  env_latency_s=0.01, lockstep=leader_lockstep),
-                   EpisodeDriver(engines[1], None, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(max_turns=4),
+                   EpisodeDriver(engines[1], None, ChatRenderer(tok), SAMPLING, EpisodeLimits(max_turns=4),
                                  lockstep=follower_lockstep)]
 
         def rank(r: int) -> None:
@@ -222,7 +222,7 @@ def test_an_environment_that_raises_hangs_or_dies_costs_its_episode_only(tok, mo
     engine = tiny_engine(model)
     faults = [None, "raise", "hang", "exit", None]
     with EnvPool(TURNS, workers=3, timeout_s=2) as pool:
-        driver = EpisodeDriver(engine, pool, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(max_turns=4),
+        driver = EpisodeDriver(engine, pool, ChatRenderer(tok), SAMPLING, EpisodeLimits(max_turns=4),
                                overlap=overlap)
         for j, fault in enumerate(faults):  # one group: the same row index, one fault each
             driver.add(f"e-{j}", {"prompt": "Use the echo tool.", "fault": fault}, 11 + j)
@@ -245,7 +245,7 @@ def test_an_environment_that_raises_hangs_or_dies_costs_its_episode_only(tok, mo
 def test_abort_mid_run_leaves_nothing_of_the_driver_in_the_engine(tok, model):
     engine = tiny_engine(model)
     with EnvPool(TURNS, workers=2, timeout_s=60) as pool:
-        driver = EpisodeDriver(engine, pool, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(max_turns=4),
+        driver = EpisodeDriver(engine, pool, ChatRenderer(tok), SAMPLING, EpisodeLimits(max_turns=4),
                                env_latency_s=0.05)
         add_group(driver, [{"prompt": "Use the echo tool."}, {"prompt": "Again."}], 3, [1, 2])
         turned = False
@@ -275,7 +275,7 @@ def test_an_engine_error_inside_advance_then_abort_leaves_a_shared_engine_servin
 
     engine = Breaks(tiny_engine(model))
     with EnvPool(TURNS, workers=2, timeout_s=60) as pool:
-        driver = EpisodeDriver(engine, pool, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(max_turns=4))
+        driver = EpisodeDriver(engine, pool, ChatRenderer(tok), SAMPLING, EpisodeLimits(max_turns=4))
         engine.add_request("other", tok.encode("Not an episode."), SamplingParams(max_tokens=200, seed=3))
         add_group(driver, [{"prompt": "Use the echo tool."}, {"prompt": "Again."}], 3, [1, 2])
         with pytest.raises(RuntimeError, match="on purpose"):
@@ -292,8 +292,8 @@ def test_an_engine_error_inside_advance_then_abort_leaves_a_shared_engine_servin
 def test_episode_ids_are_unique_while_live_and_a_follower_needs_lockstep(tok, model):
     engine = tiny_engine(model)
     with pytest.raises(ValueError, match="lockstep follower"):
-        EpisodeDriver(engine, None, ChatRenderer(tok), tok, SAMPLING, EpisodeLimits())
-    driver = EpisodeDriver(engine, EchoEnv(0), ChatRenderer(tok), tok, SAMPLING, EpisodeLimits(), overlap=False)
+        EpisodeDriver(engine, None, ChatRenderer(tok), SAMPLING, EpisodeLimits())
+    driver = EpisodeDriver(engine, EchoEnv(0), ChatRenderer(tok), SAMPLING, EpisodeLimits(), overlap=False)
     driver.add("a", {"prompt": "hi"}, 1)
     with pytest.raises(ValueError, match="still running"):
         driver.add("a", {"prompt": "hi"}, 2)
@@ -313,9 +313,9 @@ def test_a_leaders_broken_env_pool_raises_on_every_rank_at_the_same_advance(tok,
     channel: queue.Queue = queue.Queue()
     engines = [tiny_engine(model), tiny_engine(model)]
     long_turns = SamplingParams(temperature=1.0, max_tokens=200)  # the first turn ends (p ~ 1 - 0.9**200)
-    drivers = [EpisodeDriver(engines[0], Broken(0), ChatRenderer(tok), tok, long_turns, EpisodeLimits(),
+    drivers = [EpisodeDriver(engines[0], Broken(0), ChatRenderer(tok), long_turns, EpisodeLimits(),
                              overlap=overlap, lockstep=lambda events: channel.put(list(events)) or events),
-               EpisodeDriver(engines[1], None, ChatRenderer(tok), tok, long_turns, EpisodeLimits(),
+               EpisodeDriver(engines[1], None, ChatRenderer(tok), long_turns, EpisodeLimits(),
                              lockstep=lambda events: channel.get(timeout=120))]
     for d in drivers:
         d.add("a", {"prompt": "hi"}, 1)
