@@ -24,7 +24,7 @@ from _common import engine_vs_hf_generate, interleaved_times, row
 
 from hybridrl.refit.transport import named_trainer_tensors
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
-from hybridrl.rollout.layers.mla import set_decode_mode
+from hybridrl.rollout.models.deepseek_v3.mla import set_decode_mode
 
 MLA = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=3,
            num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32,

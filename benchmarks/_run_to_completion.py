@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridrl.rollout.layers.sampler import SamplingTensors, make_uniforms, sample
-from hybridrl.rollout.model_runner import ModelRunner
+from hybridrl.rollout.core.model_runner import ModelRunner
 from hybridrl.rollout.sampling_params import SamplingParams
 
 

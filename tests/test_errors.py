@@ -107,7 +107,7 @@ def test_an_engine_too_big_for_memory_is_one_line(tmp_path, capsys, monkeypatch)
     (exit 137, nothing on the console): the engine's static memory is counted before any of it
     is allocated. The figure is fixed here (a 22 GiB host), so the run is refused the same on
     every machine and never allocates the ~25 GiB."""
-    import hybridrl.rollout.memory as memory
+    import hybridrl.rollout.core.memory as memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: (22 << 30, "MemAvailable on this host"))
     line = _error(capsys, ["train", "rollout.max_tokens=100000", f"trainer.output_dir={tmp_path}"])

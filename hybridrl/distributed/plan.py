@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.rollout.memory import weight_bytes  # the engine's own count, also imported from here
+from hybridrl.rollout.core.memory import weight_bytes  # the engine's own count, also imported from here
 
 GiB = 1 << 30
 
@@ -76,7 +76,7 @@ def sharded_bytes(model: torch.nn.Module) -> tuple[int, int]:
 def engine_bytes(hf_config, *, dtype: torch.dtype, quantization: str | None, tensor_parallel_size: int = 1) -> int:
     """Bytes of one rank's rollout-engine weights: the built-in engine's model built on the
     meta device (no memory used) as tensor-parallel rank 0 (the largest share) of its group,
-    counted by the engine's own ``rollout/memory.py`` (what its build-time check counts)."""
+    counted by the engine's own ``rollout/core/memory.py`` (what its build-time check counts)."""
     return weight_bytes(_meta_engine_model(hf_config, dtype, quantization, tensor_parallel_size))
 
 
@@ -99,9 +99,9 @@ def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype, t
     """The engine's static cache for ``batch`` rows of ``seq_len`` (MLA: its latent, not per
     head; DeepSeek-V4: its state) on one rank; with tensor parallelism over that rank's KV
     heads (split, or one replicated head; MLA's latent is whole on every rank). The shapes
-    are the engine's own (``rollout/memory.py``)."""
-    from hybridrl.rollout.kv_cache import rank_kv_heads
-    from hybridrl.rollout.memory import EngineMemory
+    are the engine's own (``rollout/core/memory.py``)."""
+    from hybridrl.rollout.core.kv_cache import rank_kv_heads
+    from hybridrl.rollout.core.memory import EngineMemory
     from hybridrl.rollout.model_config import parse_hf_config
 
     cfg = parse_hf_config(hf_config)

@@ -1,7 +1,7 @@
 """RolloutEngine: the public face of the built-in rollout engine (see docs/interfaces.md).
 
 Requests (``requests.py``): ``add_request`` / ``step`` / ``abort`` over the continuous-
-batching scheduler (``scheduler.py``); ``generate`` is a loop over them. A weight update
+batching scheduler (``core/scheduler.py``); ``generate`` is a loop over them. A weight update
 waits for the step in flight (one lock), holds every in-flight request while it is open
 (``step`` refuses; ``add_request`` queues), and after the commit the requests continue
 (their KV recomputed with the new weights, or kept: ``kv_on_refit``).
@@ -25,14 +25,14 @@ from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_req
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.layers.quantization import get_linear_method
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
-from hybridrl.rollout.memory import EngineMemory, check_fits
+from hybridrl.rollout.core.memory import EngineMemory, check_fits
 from hybridrl.rollout.model_config import parse_hf_config
-from hybridrl.rollout.model_runner import ModelRunner
-from hybridrl.rollout.models.decoder import DecoderForCausalLM
+from hybridrl.rollout.core.model_runner import ModelRunner
+from hybridrl.rollout.models.decoder.model import DecoderForCausalLM
 from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.rollouts import Rollouts, rollouts_from_outputs
 from hybridrl.rollout.sampling_params import SamplingParams
-from hybridrl.rollout.scheduler import Scheduler
+from hybridrl.rollout.core.scheduler import Scheduler
 from hybridrl.rollout.weight_routes import WeightRoutes
 from hybridrl.rollout.weight_update import WeightUpdate, WeightUpdateError
 
@@ -164,7 +164,7 @@ class RolloutEngine(WeightUpdateBracket):
         # Graphs capture real weights' kernels (the warm-up runs them), so they wait for the
         # first complete update; later updates write in place and keep every captured address.
         if self._use_graphs and self.runner.graphs is None:
-            from hybridrl.rollout.cuda_graph import graph_batch_sizes
+            from hybridrl.rollout.core.cuda_graph import graph_batch_sizes
             self.runner.capture_cuda_graphs(graph_batch_sizes(self.max_batch_size))
         return self._weight_version
 
@@ -265,7 +265,7 @@ def build_model(config, quantization: str | None, max_seq_len: int, dtype: torch
     """The engine's model for a parsed ``ModelConfig``: DeepSeek-V4's decoder or the shared one
     (``hybridrl plan`` builds the same on the meta device to count its weights)."""
     if config.v4 is not None:
-        from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
+        from hybridrl.rollout.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
         return DeepseekV4ForCausalLM(config, config.v4, get_linear_method(quantization), max_seq_len, dtype, device,
                                      tp=tensor_parallel)

@@ -17,7 +17,7 @@ layouts made plain —
   the engine samples one token per step.
 - **DeepSeek-V4** (``model_type: deepseek_v4``): native names with or without ``model.``,
   ``P.scale`` tile scales (float8_e8m0fnu or float32), FP4 experts (int8 + e8m0 scales),
-  ``mtp.N.*`` skipped — translated and dequantized by :mod:`hybridrl.rollout.v4_checkpoint`.
+  ``mtp.N.*`` skipped — translated and dequantized by :mod:`hybridrl.rollout.models.deepseek_v4.checkpoint`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from hybridrl.rollout import v4_checkpoint
+from hybridrl.rollout.models.deepseek_v4 import checkpoint as v4_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Supports the Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) families, their
 mixture-of-experts variants Qwen3-MoE and Qwen2-MoE (with its shared expert), and
-DeepSeek-V3 (multi-head latent attention + DeepSeekMoE; its fields: ``deepseek_config.py``).
+DeepSeek-V3 (multi-head latent attention + DeepSeekMoE; its fields: ``models/deepseek_v3/config.py``).
 RoPE parameters are read from `config.rope_parameters` (transformers 5) or
 `config.rope_scaling` + `config.rope_theta` (transformers 4).
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybridrl.rollout.deepseek_config import GroupedRouter, MlaDims
-    from hybridrl.rollout.deepseek_v4_config import V4Dims
+    from hybridrl.rollout.models.deepseek_v3.config import GroupedRouter, MlaDims
+    from hybridrl.rollout.models.deepseek_v4.config import V4Dims
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -55,11 +55,11 @@ class ModelConfig:
     sigmoid(shared_expert_gate); DeepSeek's ``shared_experts`` are ungated."""
     # -- DeepSeek-V3 (None: the Llama/Qwen attention and softmax router) --
     mla: "MlaDims | None" = None
-    """multi-head latent attention dimensions (``deepseek_config.py``)."""
+    """multi-head latent attention dimensions (``models/deepseek_v3/config.py``)."""
     router: "GroupedRouter | None" = None
-    """DeepSeekMoE's sigmoid, group-limited router (``deepseek_config.py``)."""
+    """DeepSeekMoE's sigmoid, group-limited router (``models/deepseek_v3/config.py``)."""
     v4: "V4Dims | None" = None
-    """DeepSeek-V4's dimensions (``deepseek_v4_config.py``); its state cache is ``v4_state.py``."""
+    """DeepSeek-V4's dimensions (``models/deepseek_v4/config.py``); its state cache is ``models/deepseek_v4/state.py``."""
 
     def is_moe_layer(self, idx: int) -> bool:
         return idx in self.moe_layers
@@ -106,11 +106,11 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
             f"use a config of one of {SUPPORTED_MODEL_TYPES}"
         )
     if model_type == "deepseek_v3":
-        from hybridrl.rollout.deepseek_config import parse_deepseek_v3
+        from hybridrl.rollout.models.deepseek_v3.config import parse_deepseek_v3
 
         return parse_deepseek_v3(cfg, ModelConfig)
     if model_type == "deepseek_v4":
-        from hybridrl.rollout.deepseek_v4_config import v4_model_config
+        from hybridrl.rollout.models.deepseek_v4.config import v4_model_config
 
         return v4_model_config(cfg, ModelConfig)
     if _get(cfg, "use_sliding_window", False):
@@ -167,7 +167,7 @@ def kv_bytes_per_token(hf_config: Any, element_size: int) -> int:
     """KV-cache bytes one token takes in the built-in engine (every layer): ``kv_layout``'s
     widths — 2 x KV heads x head_dim for GQA, ``kv_lora_rank + qk_rope_head_dim`` for MLA."""
     cfg = parse_hf_config(hf_config)
-    if cfg.v4 is not None:  # what grows with context: the compressed entries (v4_state.py)
+    if cfg.v4 is not None:  # what grows with context: the compressed entries (models/deepseek_v4/state.py)
         d = cfg.v4
         per = {"compressed_sparse_attention": (d.head_dim + d.index_head_dim) / d.csa_rate,
                "heavily_compressed_attention": d.head_dim / d.hca_rate}

@@ -40,7 +40,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout.models.moe import ROUTING_DTYPE, RoutingTap
+from hybridrl.rollout.models.moe.block import ROUTING_DTYPE, RoutingTap
 
 
 class RoutingRecorder:
@@ -70,7 +70,7 @@ class RoutingRecorder:
     def num_layers(self) -> int:
         return len(self.blocks)
 
-    # -- called by the scheduler (hybridrl/rollout/scheduler.py) --------------------------------
+    # -- called by the scheduler (hybridrl/rollout/core/scheduler.py) --------------------------------
     def begin_prefill(self) -> None:
         for b in self.blocks:
             b.record_prefill, b.last_routing = True, None
@@ -267,7 +267,7 @@ def _replaying_grouped_forward(router, layer_ids: torch.Tensor):
     (float32) and sigmoid scores as transformers computes them, the ids replayed (its own
     grouped selection where any id is -1), the weights the trainer's unbiased scores of
     those experts, renormalized (``+ 1e-20``) and scaled by ``routed_scaling_factor``."""
-    from hybridrl.rollout.models.moe import select_experts_grouped
+    from hybridrl.rollout.models.moe.block import select_experts_grouped
 
     def forward(hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, router.weight.shape[1])

@@ -45,7 +45,7 @@ from typing import Any
 from hybridrl.rollout.backend import check_parent, check_request, request_seed
 from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.sampling_params import SamplingParams
-from hybridrl.rollout.scheduler import KV_ON_REFIT
+from hybridrl.rollout.core.scheduler import KV_ON_REFIT
 from hybridrl.vllm_backend import full_vocab_logprobs as fvl
 from hybridrl.vllm_backend.isolation import preserve_torch_state
 from hybridrl.vllm_backend.requests import vllm_request

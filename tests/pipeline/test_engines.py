@@ -54,7 +54,7 @@ def test_kv_cache_mb_is_validated(overrides, says):
 
 
 def test_too_big_for_memory_names_the_keys(monkeypatch):
-    import hybridrl.rollout.memory as memory
+    import hybridrl.rollout.core.memory as memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: (16 << 20, "test's figure"))
     with pytest.raises(ValueError) as e:

@@ -8,7 +8,7 @@ fraction, both routers (hash / top-k) and scoring functions, YaRN or default com
 tied or not. Tests take the seed from ``fresh_seed()`` and print it.
 
 Exact ties in the indexer are *kept*: hybridrl's selection rule (ties to the most recent
-entry, ``hybridrl/rollout/layers/v4_selection.py``) makes them deterministic. References run
+entry, ``hybridrl/rollout/models/deepseek_v4/selection.py``) makes them deterministic. References run
 transformers under :func:`reference` (transformers' computation with that rule, the trainer's
 path); raw transformers disagrees with itself across sequence lengths on such draws.
 """

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hybridrl.rollout import EngineSpec, RolloutEngine
-from hybridrl.rollout.cuda_graph import CudaGraphRunner
+from hybridrl.rollout.core.cuda_graph import CudaGraphRunner
 from hybridrl.rollout.engine import resolve_device
 from tests.rollout.conftest import make_config, make_hf_model
 

@@ -13,7 +13,7 @@ from hybridrl.refit import RefitError, refit_from_model
 from hybridrl.refit.transport import named_trainer_tensors
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.derived import DerivedCacheError
-from hybridrl.rollout.layers.mla import MlaAttention, set_decode_mode
+from hybridrl.rollout.models.deepseek_v3.mla import MlaAttention, set_decode_mode
 from hybridrl.rollout.model_config import parse_hf_config
 from _greedy import assert_greedy_matches
 from tests.rollout import _deepseek as ds

@@ -15,10 +15,10 @@ import torch
 import transformers
 
 from hybridrl.refit.transport import named_trainer_tensors
-from hybridrl.rollout.deepseek_v4_config import v4_model_config
+from hybridrl.rollout.models.deepseek_v4.config import v4_model_config
 from hybridrl.rollout.model_config import ModelConfig, parse_hf_config
 from hybridrl.rollout.layers.linear_method import UnquantizedLinearMethod
-from hybridrl.rollout.models.deepseek_v4 import DeepseekV4ForCausalLM
+from hybridrl.rollout.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from hybridrl.rollout.weight_routes import WeightRoutes
 from hybridrl.rollout.weight_update import WeightUpdate
 from tests.rollout._deepseek import fresh_seed

@@ -154,7 +154,7 @@ def test_the_released_layout_loads_directly_and_a_refit_requantizes_into_its_byt
     on_disk = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
 
     def assert_holds_the_checkpoint_bytes():
-        from hybridrl.rollout.v4_checkpoint import hf_name
+        from hybridrl.rollout.models.deepseek_v4.checkpoint import hf_name
         checked = 0
         for disk, t in on_disk.items():
             scale = disk[:-len(".weight")] + ".scale"

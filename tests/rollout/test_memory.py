@@ -95,7 +95,7 @@ def test_compaction_keeps_rows_exact():
 def test_padded_logits_mask_is_built_at_the_memory_floor(monkeypatch):
     """A left-padded `logits()` call builds its [B, 1, S, S] mask with `attention.masks.sdpa_mask`
     (output + O(B*S)), not S x S temporaries; right padding builds no mask at all."""
-    import hybridrl.rollout.model_runner as model_runner
+    import hybridrl.rollout.core.model_runner as model_runner
 
     calls = []
     real = model_runner.sdpa_mask
@@ -114,11 +114,11 @@ def test_padded_logits_mask_is_built_at_the_memory_floor(monkeypatch):
     assert calls == [(2, 9)]
 
 
-# ---- the build-time check (rollout/memory.py): too big is one line, before allocating ----------------
+# ---- the build-time check (rollout/core/memory.py): too big is one line, before allocating ----------------
 
 def _allocated(engine) -> tuple[int, int, int]:
     """(weights, KV cache, per-slot row buffers + routing record) bytes the engine really holds."""
-    from hybridrl.rollout.memory import weight_bytes
+    from hybridrl.rollout.core.memory import weight_bytes
 
     kv = sum(t.numel() * t.element_size() for _, t in engine.runner.kv_cache.named_tensors())
     b = engine.scheduler.batch
@@ -151,9 +151,9 @@ def test_counted_footprint_is_what_the_engine_allocates(family):
 
 def test_an_engine_that_cannot_fit_refuses_in_one_line_before_allocating(monkeypatch):
     import hybridrl.rollout.engine as engine_module
-    import hybridrl.rollout.memory as memory
-    import hybridrl.rollout.model_runner as model_runner
-    from hybridrl.rollout.memory import EngineMemoryError
+    import hybridrl.rollout.core.memory as memory
+    import hybridrl.rollout.core.model_runner as model_runner
+    from hybridrl.rollout.core.memory import EngineMemoryError
 
     built = []
     real_build = engine_module.build_model
@@ -178,14 +178,14 @@ def test_an_engine_that_cannot_fit_refuses_in_one_line_before_allocating(monkeyp
 def test_a_size_beyond_any_machine_refuses_on_the_real_figure():
     """No patched figure: a cache of ~10^8 GiB cannot fit anywhere, and nothing of it is allocated
     (not even the O(max_seq_len) rope tables, tens of TB here: they come after the check)."""
-    from hybridrl.rollout.memory import EngineMemoryError
+    from hybridrl.rollout.core.memory import EngineMemoryError
 
     with pytest.raises(EngineMemoryError, match=r"max_seq_len=1000000000000 needs [\d.]+ GiB .* is available \("):
         RolloutEngine(make_config("llama"), EngineSpec(max_batch_size=256, max_seq_len=10**12))
 
 
 def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path):
-    from hybridrl.rollout.memory import available_bytes, cgroup_headroom, meminfo_available
+    from hybridrl.rollout.core.memory import available_bytes, cgroup_headroom, meminfo_available
 
     (tmp_path / "meminfo").write_text("MemTotal:  1000 kB\nMemAvailable:     512 kB\n")
     assert meminfo_available(str(tmp_path / "meminfo")) == 512 * 1024

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hybridrl.refit import refit_from_model
-from hybridrl.rollout import SamplingParams, running_batch
+from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.core import running_batch
 from hybridrl.rollout.routing import enable_routing_record, hf_routers, replay_routing, routing_of_sequences
 from tests.rollout.test_moe import make_moe_config, make_moe_hf_model, moe_engine
 

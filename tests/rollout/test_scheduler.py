@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
-from hybridrl.rollout.prefix_cache import PrefixCache, PrefixEntry
+from hybridrl.rollout.core.prefix_cache import PrefixCache, PrefixEntry
 from hybridrl.rollout.requests import UnknownRequestError
 from hybridrl.rollout.weight_update import WeightUpdateError
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model

@@ -1,8 +1,8 @@
-"""DeepSeek-V4's indexer selection rule (``hybridrl/rollout/layers/v4_selection.py``): the
+"""DeepSeek-V4's indexer selection rule (``hybridrl/rollout/models/deepseek_v4/selection.py``): the
 highest scores, ties to the most recent entry, never dependent on the row's length."""
 import torch
 
-from hybridrl.rollout.layers.v4_selection import ordered_score_keys, select_top_entries
+from hybridrl.rollout.models.deepseek_v4.selection import ordered_score_keys, select_top_entries
 from tests.rollout._deepseek import fresh_seed
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.rollout.kv_cache import KVCache
+from hybridrl.rollout.core.kv_cache import KVCache
 from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.linear import QKVLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.rollout.deepseek_v4_config import V4Dims
+from hybridrl.rollout.models.deepseek_v4.config import V4Dims
 
 
 class V4StateCache:
@@ -76,7 +76,7 @@ class V4StateCache:
 
 def state_shapes(dims: V4Dims, max_seq_len: int) -> list[dict[str, tuple[int, ...]]]:
     """Per layer, the shape of one row of each state tensor (the cache holds ``max_batch_size``
-    rows of each; what ``rollout/memory.py`` counts before anything is allocated)."""
+    rows of each; what ``rollout/core/memory.py`` counts before anything is allocated)."""
     D, DI, W = dims.head_dim, dims.index_head_dim, dims.sliding_window
     shapes = []
     for kind in dims.layer_types:

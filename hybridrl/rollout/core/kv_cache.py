@@ -23,7 +23,7 @@ from hybridrl.rollout.model_config import ModelConfig
 def cache_shapes(cfg: ModelConfig, max_batch_size: int, max_seq_len: int,
                  kv_heads: int | None = None) -> list[tuple[int, ...]]:
     """The shape of each ``KVCache`` tensor, ``[num_layers, rows, heads, slots, width]`` (what
-    ``rollout/memory.py`` counts before anything is allocated)."""
+    ``rollout/core/memory.py`` counts before anything is allocated)."""
     return [(cfg.num_layers, max_batch_size, kv_heads if (kv_heads and name in ("k", "v")) else heads,
              max_seq_len, width) for name, heads, width in cfg.kv_layout]
 

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 part of a model config (transformers' ``DeepseekV4Config``), validated.
 
 Issue #32 (``docs/design/deepseek_v4_plan.md``), in progress: the engine runs it
-(``models/deepseek_v4.py``, state in ``v4_state.py``) for unquantized rollout weights.
+(``models/deepseek_v4/model.py``, state in ``models/deepseek_v4/state.py``) for unquantized rollout weights.
 
 :class:`V4Dims` holds what the V4 modules read; every inconsistency is one ``ValueError``
 naming the key. transformers ignores some fields (``num_key_value_heads``: one shared K=V

@@ -36,11 +36,11 @@ from typing import Callable
 import torch
 
 from hybridrl.rollout.backend import check_parent, check_request, request_seed
-from hybridrl.rollout.kv_cache import KVCache
-from hybridrl.rollout.prefix_cache import PrefixCache, PrefixEntry, common_prefix_length
+from hybridrl.rollout.core.kv_cache import KVCache
+from hybridrl.rollout.core.prefix_cache import PrefixCache, PrefixEntry, common_prefix_length
 from hybridrl.rollout.routing import active_recorder
 from hybridrl.rollout.requests import RequestOutput, StepOutput
-from hybridrl.rollout.running_batch import RunningBatch, Sequence
+from hybridrl.rollout.core.running_batch import RunningBatch, Sequence
 from hybridrl.rollout.sampling_params import SamplingParams
 
 KV_ON_REFIT = ("recompute", "keep")

@@ -1,6 +1,6 @@
 """Llama / Qwen2 / Qwen3 (and Qwen3-MoE / Qwen2-MoE) and DeepSeek-V3 decoder in the
-inference layout (fused qkv_proj, gate_up_proj; MoE layers: ``models/moe.py``; DeepSeek's
-multi-head latent attention: ``layers/mla.py``, its first ``first_k_dense_replace``
+inference layout (fused qkv_proj, gate_up_proj; MoE layers: ``models/moe/block.py``; DeepSeek's
+multi-head latent attention: ``models/deepseek_v3/mla.py``, its first ``first_k_dense_replace``
 layers dense, the rest DeepSeekMoE).
 
 Composition only: the layers own their weights and loaders. ``tp`` (a
@@ -19,12 +19,12 @@ from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
 from hybridrl.rollout.layers.fused_moe import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
-from hybridrl.rollout.layers.mla import MlaAttention, MlaRotary
+from hybridrl.rollout.models.deepseek_v3.mla import MlaAttention, MlaRotary
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.rotary import RotaryEmbedding
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
-from hybridrl.rollout.models.moe import SparseMoeBlock
+from hybridrl.rollout.models.moe.block import SparseMoeBlock
 
 
 class MLP(nn.Module):

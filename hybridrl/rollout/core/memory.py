@@ -27,12 +27,12 @@ import torch
 
 from hybridrl.rollout.backend import EngineSpec
 from hybridrl.rollout.derived import named_derived_caches
-from hybridrl.rollout.kv_cache import cache_shapes, rank_kv_heads
+from hybridrl.rollout.core.kv_cache import cache_shapes, rank_kv_heads
 from hybridrl.rollout.layers.tensor_parallel import TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
 from hybridrl.rollout.routing import record_row_bytes
-from hybridrl.rollout.running_batch import RunningBatch
-from hybridrl.rollout.v4_state import state_shapes
+from hybridrl.rollout.core.running_batch import RunningBatch
+from hybridrl.rollout.models.deepseek_v4.state import state_shapes
 
 UNLIMITED = 1 << 60  # a cgroup v1 "no limit" reads as ~2**63 rounded to pages
 

@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.rollout.deepseek_v4_config import V4Dims
-from hybridrl.rollout.layers.hyper_connection import loaded_param, unweighted_rms_norm
+from hybridrl.rollout.models.deepseek_v4.config import V4Dims
+from hybridrl.rollout.models.deepseek_v4.hyper_connection import loaded_param, unweighted_rms_norm
 from hybridrl.rollout.layers.linear import ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, mark_split
-from hybridrl.rollout.layers.v4_selection import select_top_entries
-from hybridrl.rollout.v4_state import ring_positions
+from hybridrl.rollout.models.deepseek_v4.selection import select_top_entries
+from hybridrl.rollout.models.deepseek_v4.state import ring_positions
 
 
 class V4Rotary(nn.Module):

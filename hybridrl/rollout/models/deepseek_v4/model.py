@@ -2,7 +2,7 @@
 
 transformers' ``DeepseekV4ForCausalLM`` module for module (names mirrored, so HF names route
 by default): token embedding copied into ``hc_mult`` streams; per layer a hyper-connected
-attention block (``layers/v4_attention.py``) and a hyper-connected MoE block; the streams
+attention block (``models/deepseek_v4/attention.py``) and a hyper-connected MoE block; the streams
 collapsed by the hyper head, normed, projected. The MoE block: a router that scores experts
 with ``scoring_func`` (``sqrtsoftplus`` or ``sigmoid``) on logits in the model dtype, picks
 them by the frozen ``tid2eid[token]`` table (``hash_moe`` layers) or by top-k of the scores
@@ -10,8 +10,8 @@ plus the correction bias (``moe`` layers), weights = the chosen scores renormali
 ``routed_scaling_factor``; experts and the one shared MLP use the clamped SwiGLU
 (``swiglu_limit``). Every layer is MoE (V4 has no dense MLP layers).
 
-Per-request attention state lives in ``rollout/v4_state.py`` (``forward`` fills it at prefill,
-``decode`` advances it); the top-k layers tap the routing record (``models/moe.py: RoutingTap``).
+Per-request attention state lives in ``rollout/models/deepseek_v4/state.py`` (``forward`` fills it at prefill,
+``decode`` advances it); the top-k layers tap the routing record (``models/moe/block.py: RoutingTap``).
 """
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.rollout.deepseek_v4_config import V4Dims
+from hybridrl.rollout.models.deepseek_v4.config import V4Dims
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
 from hybridrl.rollout.layers.fused_moe import FusedExperts, FusedMoEMethodBase, UnquantizedFusedMoEMethod, swiglu
-from hybridrl.rollout.layers.hyper_connection import HyperConnection, HyperHead, expand
+from hybridrl.rollout.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead, expand
 from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm, copy_loader
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
-from hybridrl.rollout.layers.v4_attention import V4Attention, V4Rotary
+from hybridrl.rollout.models.deepseek_v4.attention import V4Attention, V4Rotary
 from hybridrl.rollout.model_config import ModelConfig
-from hybridrl.rollout.models.moe import RoutingTap
+from hybridrl.rollout.models.moe.block import RoutingTap
 
 SCORE_FNS = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
 

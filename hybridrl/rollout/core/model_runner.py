@@ -10,11 +10,11 @@ import torch
 
 from hybridrl.attention.masks import sdpa_mask
 from hybridrl.rollout.compile import compile_fn
-from hybridrl.rollout.cuda_graph import CudaGraphRunner
-from hybridrl.rollout.kv_cache import KVCache, rank_kv_heads
+from hybridrl.rollout.core.cuda_graph import CudaGraphRunner
+from hybridrl.rollout.core.kv_cache import KVCache, rank_kv_heads
 from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.attention import ForwardContext
-from hybridrl.rollout.models.decoder import DecoderForCausalLM
+from hybridrl.rollout.models.decoder.model import DecoderForCausalLM
 
 
 class ModelRunner:
@@ -22,9 +22,9 @@ class ModelRunner:
                  device: torch.device, compile_decode: bool = False):
         self.model, self.device = model, device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.v4 = model.config.v4 is not None  # DeepSeek-V4: its own state and forward (models/deepseek_v4.py)
+        self.v4 = model.config.v4 is not None  # DeepSeek-V4: its own state and forward (models/deepseek_v4/model.py)
         if self.v4:
-            from hybridrl.rollout.v4_state import V4StateCache
+            from hybridrl.rollout.models.deepseek_v4.state import V4StateCache
 
             self.kv_cache = V4StateCache(model.config.v4, max_batch_size, max_seq_len, dtype, device)
         else:
@@ -35,7 +35,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # Decode attention through flash-attn's per-row cache lengths (CUDA, fp16/bf16, the
         # package installed): cost ~ live length, also inside a graph. Else the masked path.
-        self.flash_decode = (model.config.mla is None  # MLA decodes over its latent cache (layers/mla.py)
+        self.flash_decode = (model.config.mla is None  # MLA decodes over its latent cache (models/deepseek_v3/mla.py)
                              and flash_decode.usable(device, dtype, model.config.head_dim))
         self._decode_step = self.decode_eager
         self.compiled = compile_decode
@@ -77,7 +77,7 @@ class ModelRunner:
         there is overwritten before any valid query reads it.
         """
         B, C = input_ids.shape
-        if self.v4:  # unreachable: V4 rows are never retained (v4_state.py), so nothing extends
+        if self.v4:  # unreachable: V4 rows are never retained (models/deepseek_v4/state.py), so nothing extends
             raise RuntimeError("extend: the DeepSeek-V4 state cannot continue a retained prefix")
         positions = (starts.view(B, 1) + self.slot_ids[:C].view(1, C)).clamp_(max=self.max_seq_len - 1)
         T = int((starts + lengths).max())
