@@ -4,6 +4,7 @@ are checked, every phase is timed by the step's one timer."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -39,66 +40,97 @@ def test_gspo_preset_reaches_the_trainer_loss(tmp_path, monkeypatch):
 
     monkeypatch.setattr(algos, "get_policy_loss", spy)
     run = _run(tmp_path, ["algo.preset=gspo"])
-    run.step(random.Random(0))
+    run.step.start(random.Random(0), 1)
+    run.step()
     assert calls and set(calls) == {("gspo", 3e-4, 4e-4, "seq-mean-token-mean")}
 
 
 def test_rollouts_carry_the_version_they_were_sampled_with(tmp_path):
+    """The batch source decides the weight version: a sync step's rollouts carry the version
+    it published last (build_run's first load), and the step's publication is the next one,
+    which the trainer's engine then records."""
     run = _run(tmp_path, [])
-    before = run.step.rollout.expected_version
-    m = run.step(random.Random(1))
-    assert m["rollout/weight_version"] == before
-    assert m["refit/weight_version"] == before + 1 == run.step.rollout.engine.weight_version
-    assert {f"time/{p}_s" for p in ("rollout", "reward", "log_probs", "advantages", "update", "refit")} <= set(m)
+    step = run.step
+    published = step.source.version
+    assert published == step.rollout.engine.weight_version > 0
+    taken, take = [], step.source.take
+    step.source.take = lambda model: taken.append(take(model)) or taken[-1]
+    step.start(random.Random(1), 1)
+    m = step()
+    assert taken[0].step_batch.rollouts.response_versions() == {published} and not taken[0].stale
+    assert m["rollout/weight_version"] == published
+    assert m["refit/weight_version"] == published + 1 == step.source.version == step.rollout.engine.weight_version
+    assert {f"time/{p}_s" for p in ("rollout", "log_probs", "advantages", "update", "refit")} <= set(m)
+    assert "time/reward_s" not in m  # scoring overlaps generation inside "rollout"
 
 
 def test_training_on_rollouts_of_other_weights_fails_loudly(tmp_path):
-    """An engine updated outside the worker (so the sampling weights are not the ones the
-    step will train) is caught before the update, not trained on silently."""
-    from hybridrl.refit import refit_from_model
-    from hybridrl.trainer.rollout_worker import StaleRolloutError
-
+    """An engine refit behind the source's back (so the sampling weights are not the version
+    the step will train) is caught before the update by the staleness check at
+    max_staleness 0 (sync's on-policy check), not trained on silently."""
     run = _run(tmp_path, [])
-    refit_from_model(run.step.rollout.engine, run.policy, bucket_bytes=1 << 20)  # behind the worker's back
+    step = run.step
+    step.start(random.Random(2), 1)
+    step.rollout.push(run.policy, 99)  # behind the source's back: the engine now samples as version 99
     weights = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
-    with pytest.raises(StaleRolloutError, match="weight_version"):
-        run.step(random.Random(2))
+    with pytest.raises(ValueError, match="staleness bound broken"):
+        step()
     assert all((p == weights[n]).all() for n, p in run.policy.named_parameters())  # nothing was trained
 
 
 def test_groups_are_scored_as_they_finish_and_equal_the_two_phase_step(tmp_path):
-    """The step's rollout streams finished groups to the reward while later groups still
-    decode; tokens, log-probs and scores equal sampling everything, then scoring it."""
-    import torch
-
-    from hybridrl.trainer.timer import PhaseTimer
-
+    """The source hands each group to its scoring thread as soon as the group's n samples
+    finished, while later groups still decode (the engine keeps stepping during the reward
+    call); tokens, log-probs and scores equal sampling everything in one call, then scoring it."""
     import dataclasses
+    import threading
     from collections import Counter
 
+    import torch
+
     run = _run(tmp_path, ["rollout.max_tokens=24"])
-    step, worker = run.step, run.step.rollout
-    engine = worker.engine
+    step, worker, source = run.step, run.step.rollout, run.step.source
+    engine, t = worker.engine, step.train_set
+    rows, seeds = step._draw(random.Random(3))  # step 1's prompts when the source starts on Random(3)
+    prompts = [t.prompts[r] for r in rows]
+    n = worker.sampling.n
     # stop on a token this model samples now and then, so groups finish at different steps
-    counts = Counter(t for r in step.sample(random.Random(3)).rollouts.response_token_ids for t in r)
+    counts = Counter(tok for r in worker.sample(prompts, seeds).response_token_ids for tok in r)
     total = sum(counts.values())
-    stop = min(counts, key=lambda t: abs(counts[t] / total - 0.08))
-    worker.sampling = dataclasses.replace(worker.sampling, stop_token_ids=(stop,))
-    seen_unfinished = []
-    sample_groups = worker.sample_groups
+    stop = min(counts, key=lambda tok: abs(counts[tok] / total - 0.08))
+    worker.sampling = source.task.sampling = dataclasses.replace(worker.sampling, stop_token_ids=(stop,))
 
-    def watching(prompts, seeds, on_group):
-        def handed_over(g, outputs):
-            seen_unfinished.append(engine.has_unfinished_requests())
-            on_group(g, outputs)
-        return sample_groups(prompts, seeds, handed_over)
+    handed, scored = [], []  # per group: engine busy at hand-over; (thread, steps before, steps after)
+    hand_over, score = source._score, source.task.score
 
-    worker.sample_groups = watching
-    streamed = step.sample_and_score(random.Random(3), PhaseTimer(("rollout", "reward")))
-    assert len(seen_unfinished) == len(streamed.batch_idx) and any(seen_unfinished)  # handed over mid-generation
-    plain = step.sample(random.Random(3))
-    step.score(plain)
-    a, b = streamed.rollouts, plain.rollouts
+    def handing(group):
+        handed.append(engine.has_unfinished_requests())
+        hand_over(group)
+
+    def scoring(row, outputs):
+        runner = source.producers[0].runner
+        before = runner.engine_steps
+        if not scored:  # the first finished group: is the engine stepped while its reward runs?
+            deadline = time.monotonic() + 30
+            while runner.engine_steps == before and engine.has_unfinished_requests() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        scored.append((threading.current_thread().name, before, runner.engine_steps))
+        return score(row, outputs)
+
+    source._score, source.task.score = handing, scoring
+    step.start(random.Random(3), 1)
+    batch = source.take(step.actor.model)
+    streamed = batch.step_batch
+    assert streamed.batch_idx == rows
+    assert len(handed) == len(scored) == len(rows) and any(handed)  # handed over mid-generation
+    assert all(name.startswith("reward") for name, _, _ in scored)  # on the source's scoring thread
+    assert scored[0][2] > scored[0][1]  # later groups decoded while the first one was scored
+
+    plain = worker.sample(prompts, seeds)
+    answers = [t.answers[r] for r in rows for _ in range(n)]
+    texts = [t.prompt_texts[r] for r in rows for _ in range(n)]
+    plain_scores = torch.tensor(step.scorer.score(plain.response_token_ids, answers, texts).scores)
+    a, b = streamed.rollouts, plain
     assert a.response_token_ids == b.response_token_ids
-    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(streamed.raw_scores, plain.raw_scores)
-    assert a.response_versions() == {worker.expected_version}
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(streamed.raw_scores.cpu(), plain_scores.float())
+    assert a.response_versions() == {source.version} == {worker.version}
