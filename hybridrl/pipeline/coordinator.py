@@ -208,6 +208,9 @@ class Pipeline:
     def take(self, model: torch.nn.Module) -> Batch:
         """The batch of the next step: waits until its groups are generated and scored
         (replacing a dead producer on the way, within ``pipeline.worker_restarts``)."""
+        if not self.started:
+            raise RuntimeError("batch source: take() before start(); call RLStep.start(rng, first_step) once, after "
+                               "the warm start or the resume")
         step = self.next_step
         t0 = time.perf_counter()
         inline = next((p for p in self.producers if getattr(p, "inline", False)), None)
