@@ -19,10 +19,11 @@ from hybridrl.checkpoint.atomic import save_step_dir
 
 
 def save_data_parallel(run, cfg, step_no: int, config_yaml: str,
-                       write_state: Callable[[Path], None]) -> Path | None:
+                       write_state: Callable[[Path, list], None]) -> Path | None:
     """A checkpoint of a data-parallel run (``run``: ``trainer.build.Run``); returns the
     step directory on rank 0, None on the other ranks. ``write_state(dir)`` writes
-    ``trainer_state.pt`` (rank 0)."""
+    ``trainer_state.pt`` (rank 0), with every rank's batch-source state (``sources``: each
+    rank's source holds its own share of the untrained groups)."""
     dp, actor, critic, reference = run.step.dp, run.step.actor, run.step.critic, run.step.reference
     staging = run.run_dir / "checkpoints" / f".dcp-staging-{step_no}"
     if dp.is_main:
@@ -36,6 +37,8 @@ def save_data_parallel(run, cfg, step_no: int, config_yaml: str,
         save_dcp(staging / "reference", reference.model)
     dist.barrier()
     adapter = lora.trainable_state() if lora is not None else None  # gathered on every rank
+    sources: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sources, run.step.source.state_dict())
     if not dp.is_main:
         if lora is None:
             export_hf(actor.model, None)
@@ -51,7 +54,7 @@ def save_data_parallel(run, cfg, step_no: int, config_yaml: str,
         run.tokenizer.save_pretrained(directory)
         (directory / "hybridrl_config.yaml").write_text(config_yaml)
         shutil.move(str(staging), str(directory / DCP_DIR))
-        write_state(directory)
+        write_state(directory, sources)
 
     try:
         return save_step_dir(run.run_dir / "checkpoint", step_no, write, keep_last=cfg.checkpoint.keep_last)

@@ -43,11 +43,12 @@ class LoopState:
 
 
 def write_training_state(directory: Path, run, loop: LoopState, rng: random.Random, *,
-                         sharded: bool = False) -> None:
+                         sharded: bool = False, sources: list | None = None) -> None:
     """Write the non-HF part of a checkpoint of ``run`` (a ``build.Run``) into ``directory``.
 
     ``sharded`` (data parallel): the weights and optimizer states are in ``dcp/`` (written
-    by every rank, see ``distributed/checkpoint.py``); this file keeps the rest (rank 0)."""
+    by every rank, see ``distributed/checkpoint.py``); this file keeps the rest (rank 0),
+    with ``sources``: every rank's batch-source state, in rank order."""
     from safetensors.torch import save_model
 
     step = run.step
@@ -61,7 +62,7 @@ def write_training_state(directory: Path, run, loop: LoopState, rng: random.Rand
         "format": FORMAT_VERSION,
         "sharded": sharded,
         "loop": vars(loop).copy(),
-        "step": step.state_dict(optimizers=not sharded),
+        "step": step.state_dict(optimizers=not sharded, source_states=sources),
         "rng": {
             "python_step": python_rng_state(rng.getstate()),
             "python_global": python_rng_state(random.getstate()),

@@ -230,7 +230,8 @@ def save(run: Run, cfg: Config, loop, rng: random.Random) -> Path | None:
         from hybridrl.checkpoint.train_state import write_training_state
 
         return save_data_parallel(run, cfg, loop.step, config_to_yaml(cfg),
-                                  lambda directory: write_training_state(directory, run, loop, rng, sharded=True))
+                                  lambda directory, sources: write_training_state(directory, run, loop, rng,
+                                                                                  sharded=True, sources=sources))
     from hybridrl.checkpoint.atomic import save_step_dir, write_hf
     from hybridrl.checkpoint.train_state import write_training_state
 

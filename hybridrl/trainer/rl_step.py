@@ -109,16 +109,17 @@ class RLStep:
             shard_model(self.critic.model)
             self.critic.reset_optimizer()
 
-    def state_dict(self, *, optimizers: bool = True) -> dict:
+    def state_dict(self, *, optimizers: bool = True, source_states: list | None = None) -> dict:
         """What the step's components need for an exact resume besides their weights:
         optimizer and LR-schedule states (``optimizers=False``: a sharded run keeps the
         optimizer states in DCP), the actor's mini-batch shuffling generator, the KL
-        coefficient, and the source's (the weight version, untrained groups). Each
-        component writes its own part."""
+        coefficient, and the source's (the weight version, untrained groups) — with several
+        ranks every rank's (``source_states``, gathered by the caller: each rank's source holds
+        its own share). Each component writes its own part."""
         critic = None if self.critic is None else self.critic.state_dict() if optimizers else "dcp"
         return {"actor": self.actor.state_dict(optimizer=optimizers), "critic": critic,
                 "kl_ctrl": None if self.kl_ctrl is None else self.kl_ctrl.state_dict(),
-                "source": self.source.state_dict()}
+                "source": self.source.state_dict() if source_states is None else {"ranks": source_states}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` into the built components (weights already loaded); the
@@ -131,7 +132,15 @@ class RLStep:
         if "source" not in state:
             raise ValueError("checkpoint.resume: the checkpoint was written by an older hybridrl (no batch-source "
                              "state); resume it with the version that wrote it, or start the run again")
-        self.source.load_state_dict(state["source"])
+        source = state["source"]
+        if "ranks" in source:  # data parallel: this rank's own
+            ranks = source["ranks"]
+            world = self.dp.world_size if self.dp is not None else 1
+            if len(ranks) != world:
+                raise ValueError(f"checkpoint.resume: the checkpoint was written by {len(ranks)} ranks, this run has "
+                                 f"{world}; resume with the same launcher ranks")
+            source = ranks[self.dp.rank if self.dp is not None else 0]
+        self.source.load_state_dict(source)
 
     def start(self, rng: random.Random, first_step: int) -> None:
         """Start generating with the current policy; step ``first_step`` trains next. The
