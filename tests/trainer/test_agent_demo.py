@@ -93,15 +93,21 @@ def test_two_rl_steps_of_the_shrunk_demo_run_end_to_end(tmp_path, monkeypatch):
 
     def build(cfg, *args, **kwargs):
         run = real_build(cfg, *args, **kwargs)
-        sampler = run.step.episodes
-        pids.extend(sampler.runner.env_pool.pids())
-        real_sample = sampler.sample
+        source, real_eval = run.step.source, run.eval_episodes
+        real_take = source.take
 
-        def sample(*a, **k):
-            batches.append(real_sample(*a, **k))
-            return batches[-1]
+        def take(model):  # the RL episodes: run by the source's producers, each with its environment pool
+            batch = real_take(model)
+            pids.extend(pid for p in source.producers for pid in p.runner.env_pool.pids())
+            batches.append(batch.step_batch)
+            return batch
 
-        sampler.sample = sample
+        def eval_episodes():  # the eval's episodes: an environment pool of their own
+            runner = real_eval()
+            pids.extend(runner.env_pool.pids())
+            return runner
+
+        source.take, run.eval_episodes = take, eval_episodes
         return run
 
     monkeypatch.setattr(loop, "build_run", build)

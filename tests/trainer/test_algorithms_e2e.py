@@ -67,12 +67,19 @@ def test_merge_keeps_rows_and_scores_aligned(tmp_path):
     from hybridrl.job.build import build_run
     from hybridrl.trainer.step_batch import merge
 
-    cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=m"])
+    # one_step_off: the source generates steps 1 and 2 under one weight version (merge's precondition)
+    cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=m",
+                                    "trainer.mode=one_step_off", "pipeline.placement=colocated"])
     run = build_run(cfg, console=lambda s: None)
-    step, rng = run.step, random.Random(3)
-    a, b = step.sample(rng), step.sample(rng)
-    step.score(a)
-    step.score(b)
+    step = run.step
+    try:
+        step.start(random.Random(3), 1)
+        a, b = (step.source.take(step.actor.model).step_batch for _ in range(2))  # sampled and scored
+    finally:
+        step.close()
+        step.scorer.close()
+        run.directory.close()
+    assert a.rollouts.weight_version == b.rollouts.weight_version
     m = merge(a, b, pad_id=step.shape.pad_id)
     n_a = len(a.index)
     assert m.index == a.index + [i + len(a.batch_idx) for i in b.index]

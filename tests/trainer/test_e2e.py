@@ -52,9 +52,10 @@ def test_metrics_and_outputs_written(run):
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for key in ("reward/mean", "reward/std", "response/length_mean", "actor/kl", "actor/entropy", "actor/pg_clipfrac",
-                "actor/grad_norm", "actor/lr", "time/rollout_s", "time/reward_s", "time/log_probs_s",
-                "time/update_s", "time/refit_s", "perf/tokens_per_s"):
+                "actor/grad_norm", "actor/lr", "time/rollout_s", "time/log_probs_s",
+                "time/advantages_s", "time/update_s", "time/refit_s", "perf/tokens_per_s"):
         assert key in steps[0], key
+    assert "time/reward_s" not in steps[0]  # scoring overlaps generation: timed inside time/rollout_s
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in steps[-1]
     assert (result.run_dir / "curves.png").stat().st_size > 1000
     assert (result.run_dir / "config.yaml").is_file()
