@@ -7,8 +7,8 @@ import transformers
 
 from hybridrl.refit import RefitError, refit_from_model
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
-from hybridrl.rollout.layers import fused_moe
-from hybridrl.rollout.layers.fused_moe import fused_experts
+from hybridrl.rollout.layers import moe_dispatch
+from hybridrl.rollout.layers.moe_dispatch import fused_experts
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.weight_update import WeightUpdateError
 from tests.rollout.conftest import VOCAB, make_hf_model
@@ -231,7 +231,7 @@ def test_engine_logits_same_through_every_dispatch(impl, monkeypatch):
     engine = moe_engine(cfg, hf)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
     ref = engine.logits(ids, torch.ones_like(ids))
-    monkeypatch.setattr(fused_moe, "IMPL", impl)
+    monkeypatch.setattr(moe_dispatch, "IMPL", impl)
     torch.testing.assert_close(engine.logits(ids, torch.ones_like(ids)), ref, rtol=1e-5, atol=1e-5)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from hybridrl.refit import refit_from_model
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
-from hybridrl.rollout.layers import fused_moe
+from hybridrl.rollout.layers import moe_dispatch
 from tests.rollout.test_moe import make_moe_config, make_moe_hf_model
 from tests.rollout.test_cuda_graph import _decode_both  # prefill + 5 decode steps on both engines
 from tests.rollout.test_moe_mxfp4 import perturb_experts
@@ -29,13 +29,13 @@ from tests.rollout.test_moe_mxfp4 import perturb_experts
     (torch.float64, False, False, "loop"),
 ])
 def test_dispatch_choice_under_capture(monkeypatch, dtype, fast_grouped, capturing, want):
-    monkeypatch.setattr(fused_moe, "IMPL", "auto")
-    monkeypatch.setattr(fused_moe, "_capturing", lambda x: capturing)
-    monkeypatch.setattr(fused_moe, "_cuda_fast_grouped", lambda device, dt: fast_grouped)
-    if fused_moe._grouped_mm_fn() is None and want == "grouped":
+    monkeypatch.setattr(moe_dispatch, "IMPL", "auto")
+    monkeypatch.setattr(moe_dispatch, "_capturing", lambda x: capturing)
+    monkeypatch.setattr(moe_dispatch, "_cuda_fast_grouped", lambda device, dt: fast_grouped)
+    if moe_dispatch._grouped_mm_fn() is None and want == "grouped":
         pytest.skip("this torch has no grouped GEMM")
     x = SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype)  # decided from device and dtype only
-    assert fused_moe._pick_impl(x) == want
+    assert moe_dispatch._pick_impl(x) == want
 
 
 def _engines(cfg, hf, dtype, quantization=None):

@@ -1,6 +1,6 @@
 """``quantization=`` name -> linear method (and MoE-expert method). The one module that knows every method.
 
-It sits above ``linear_method.py``, ``fp8_linear.py`` and ``fused_moe.py`` so that none imports
+It sits above ``linear_method.py``, ``fp8_linear.py`` and the fused-MoE methods so that none imports
 another's user: the methods depend on their interfaces, this registry depends on the methods.
 
 A name is ``<dense>`` or ``<dense>+mxfp4`` / ``mxfp4``: the dense part (None, ``fp8``,
@@ -12,8 +12,9 @@ dtype. So ``"fp8+mxfp4"`` is FP8 attention/dense MLPs + MXFP4 experts in one eng
 
 from __future__ import annotations
 
-from hybridrl.rollout.layers.fused_moe import FusedMoEMethodBase, Mxfp4FusedMoEMethod, UnquantizedFusedMoEMethod
+from hybridrl.rollout.layers.fused_moe_method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from hybridrl.rollout.layers.mxfp4_moe import Mxfp4FusedMoEMethod
 
 from hybridrl.quant.schemes import QUANTIZATIONS
 

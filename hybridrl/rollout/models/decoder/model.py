@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridrl.rollout.layers.attention import Attention, ForwardContext
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
-from hybridrl.rollout.layers.fused_moe import FusedMoEMethodBase, UnquantizedFusedMoEMethod
+from hybridrl.rollout.layers.fused_moe_method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.models.deepseek_v3.mla import MlaAttention, MlaRotary

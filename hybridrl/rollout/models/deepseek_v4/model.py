@@ -21,7 +21,9 @@ from torch import nn
 
 from hybridrl.rollout.models.deepseek_v4.config import V4Dims
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
-from hybridrl.rollout.layers.fused_moe import FusedExperts, FusedMoEMethodBase, UnquantizedFusedMoEMethod, swiglu
+from hybridrl.rollout.layers.fused_moe import FusedExperts
+from hybridrl.rollout.layers.fused_moe_method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
+from hybridrl.rollout.layers.moe_dispatch import swiglu
 from hybridrl.rollout.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead, expand
 from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
 from hybridrl.rollout.layers.linear_method import LinearMethodBase

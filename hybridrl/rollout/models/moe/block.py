@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.layers.attention import ForwardContext
-from hybridrl.rollout.layers.fused_moe import FusedExperts, FusedMoEMethodBase
+from hybridrl.rollout.layers.fused_moe import FusedExperts
+from hybridrl.rollout.layers.fused_moe_method import FusedMoEMethodBase
 from hybridrl.rollout.layers.linear import ReplicatedLinear
 from hybridrl.rollout.layers.linear_method import UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import copy_loader
