@@ -49,7 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from hybridrl.rollout import RolloutEngine, SamplingParams
-    from hybridrl.job.model_factory import check_checkpoint, checkpoint_errors, load_tokenizer
+    from hybridrl.trainer.pretrained import check_checkpoint, checkpoint_errors, load_tokenizer
 
     check_checkpoint(args.model, "--model")
     tok = load_tokenizer(args.model, "--model")

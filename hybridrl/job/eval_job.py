@@ -15,7 +15,8 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
     from hybridrl.rewards import RewardRunner
     from hybridrl.rollout import RolloutEngine
     from hybridrl.job.build import prompt_set_from_files
-    from hybridrl.job.model_factory import DTYPES, check_checkpoint, load_tokenizer
+    from hybridrl.job.model_factory import DTYPES
+    from hybridrl.trainer.pretrained import check_checkpoint, load_tokenizer
     from hybridrl.trainer.weight_sync import WeightSyncSpec
     from hybridrl.trainer.rollout_worker import RolloutWorker, sampling_params
     from hybridrl.trainer.scoring import RewardScorer

@@ -62,7 +62,7 @@ def export_lora(checkpoint: str, out: str, *, merged: bool = False) -> Path:
 def _base_model(cfg, ckpt: Path, tmp: Path):
     """The run's base model and tokenizer; writes ``tmp/base`` unless the base is ``model.path``
     (then returns that path as the adapter's base)."""
-    from hybridrl.job.model_factory import load_pretrained, load_tokenizer
+    from hybridrl.trainer.pretrained import load_pretrained, load_tokenizer
 
     tokenizer = load_tokenizer(str(ckpt), "hybridrl export")
     run_dir = ckpt.parent.parent  # RUN/checkpoints/step-N (RUN/checkpoint links there)

@@ -300,7 +300,7 @@ def test_export_writes_a_peft_adapter_folder_and_the_merged_model(tmp_path):
     assert (a - b).abs().max() < 1e-4
     assert (a - c).abs().max() > 1e-3  # the adapter is applied
     assert main(["export", str(checkpoint), str(tmp_path / "exp")]) == 2  # exists: one line, no partial folder
-    from hybridrl.job.model_factory import check_checkpoint
+    from hybridrl.trainer.pretrained import check_checkpoint
 
     with pytest.raises(ValueError, match="LoRA adapter checkpoint.*hybridrl export"):
         check_checkpoint(str(checkpoint))
