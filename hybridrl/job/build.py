@@ -85,7 +85,8 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     (same seeds) and its own engine; only rank 0 owns the run directory and its logs."""
     from hybridrl.rewards import RewardRunner
     from hybridrl.checkpoint.train_state import checkpoint_step
-    from hybridrl.job.model_factory import DTYPES, builtin_model, builtin_tokenizer, load_pretrained
+    from hybridrl.job.model_factory import DTYPES, builtin_model, builtin_tokenizer
+    from hybridrl.trainer.pretrained import load_pretrained
 
     from hybridrl.pipeline.build import check_composable
 
