@@ -12,13 +12,12 @@ its methods on a few threads: ``max_concurrency``).
 from __future__ import annotations
 
 import queue
-import threading
 from typing import Callable
 
 import torch
 
 from hybridrl.pipeline.producers import ProducerError, Sink
-from hybridrl.pipeline.remote import RefitPayload
+from hybridrl.pipeline.remote import OutOfProcessProducer, RefitPayload
 from hybridrl.pipeline.work import Work
 from hybridrl.pipeline.worker import WorkerSpec
 
@@ -63,7 +62,7 @@ class RolloutActor:
         self._producer.close()
 
 
-class RayProducer:
+class RayProducer(OutOfProcessProducer):
     """The trainer's handle on one :class:`RolloutActor`; a collector thread polls it."""
 
     def __init__(self, index: int, spec: WorkerSpec, sink: Sink, wake: Callable[[], None], *, cpus: int = 1,
@@ -72,15 +71,9 @@ class RayProducer:
         an actor that does not hold it yet)."""
         import ray
 
-        self.index, self.spec, self._sink, self._wake = index, spec, sink, wake
-        self.payload = payload
-        self.version: int | None = None
-        self.failure: str | None = None
-        self.idle_seconds = 0.0
-        self._closing = False
+        super().__init__(index, spec, sink, wake, payload)
         self.actor = ray.remote(RolloutActor).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
                                                       max_concurrency=4, name=None).remote(spec)
-        self._collector: threading.Thread | None = None
 
     def _get(self, ref, what: str):
         import ray
@@ -101,8 +94,7 @@ class RayProducer:
         self._get(self.actor.start.remote(_put(named), version), "while starting")
         self.payload.done()
         self.version = version
-        self._collector = threading.Thread(target=self._collect, name=f"rollout-{self.index}-results", daemon=True)
-        self._collector.start()
+        self._start_collecting()
 
     def submit(self, work: list[Work]) -> None:
         self.actor.submit.remote(work)  # calls from one caller run in order
@@ -114,22 +106,8 @@ class RayProducer:
         self.version = version
         return stats
 
-    def _collect(self) -> None:
-        while not self._closing:
-            try:
-                outputs, idle, failure = self._get(self.actor.poll.remote(0.5), "mid-step")
-            except ProducerError as e:
-                if not self._closing:
-                    self.failure = str(e)
-                    self._wake()
-                return
-            self.idle_seconds = idle
-            if outputs:
-                self._sink(self.index, outputs)
-            if failure:
-                self.failure = failure
-                self._wake()
-                return
+    def _poll(self) -> tuple[list, float, str | None]:
+        return self._get(self.actor.poll.remote(0.5), "mid-step")
 
     def close(self) -> None:
         import ray

@@ -43,9 +43,55 @@ class RefitPayload:
         self._held = self._sending
 
 
-class RemoteProducer:
+class OutOfProcessProducer:
+    """The trainer's side of a producer in another process (a worker process, a Ray actor):
+    the bookkeeping every producer keeps (``Producer`` in producers.py) and a collector thread
+    that polls the worker (``_poll``) and hands its finished work to the source."""
+
+    def __init__(self, index: int, spec: WorkerSpec, sink: Sink, wake: Callable[[], None], payload: RefitPayload):
+        self.index, self.spec, self._sink, self._wake = index, spec, sink, wake
+        self.payload = payload
+        self.version: int | None = None
+        self.failure: str | None = None
+        self.idle_seconds = 0.0
+        self._closing = False
+        self._collector: threading.Thread | None = None
+
+    def _poll(self) -> tuple[list, float, str | None] | None:
+        """(finished work, idle seconds, failure line) or None (nothing within a short wait);
+        raises ``ProducerError`` when the worker is gone."""
+        raise NotImplementedError
+
+    def _start_collecting(self) -> None:
+        self._collector = threading.Thread(target=self._collect, name=f"rollout-{self.index}-results", daemon=True)
+        self._collector.start()
+
+    def _collect(self) -> None:
+        while not self._closing:
+            try:
+                got = self._poll()
+            except ProducerError as e:
+                self._fail(str(e))
+                return
+            if got is None:
+                continue
+            finished, idle, failure = got
+            self.idle_seconds = idle
+            if finished:
+                self._sink(self.index, finished)
+            if failure:
+                self._fail(failure)
+                return
+
+    def _fail(self, line: str) -> None:
+        if not self._closing:
+            self.failure = line
+            self._wake()
+
+
+class RemoteProducer(OutOfProcessProducer):
     """A worker process (``worker.worker_main``) and the trainer's ends of its pipe and
-    refit channel; a collector thread reads its results."""
+    refit channel."""
 
     def __init__(self, index: int, spec: WorkerSpec, sink: Sink, wake: Callable[[], None], *, bucket_bytes: int,
                  payload: RefitPayload):
@@ -53,12 +99,7 @@ class RemoteProducer:
 
         from hybridrl.refit.shm import make_channel
 
-        self.index, self.spec, self._sink, self._wake = index, spec, sink, wake
-        self.payload = payload
-        self.version: int | None = None
-        self.failure: str | None = None
-        self.idle_seconds = 0.0
-        self._closing = False
+        super().__init__(index, spec, sink, wake, payload)
         ctx = mp.get_context("spawn")
         engine_side, self._channel = make_channel(bucket_bytes, ctx=ctx)
         self._conn, child = ctx.Pipe()
@@ -67,7 +108,6 @@ class RemoteProducer:
         self.process.start()
         child.close()  # only the worker holds its ends: its death reads as end-of-file here
         engine_side.conn.close()
-        self._collector: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -87,8 +127,7 @@ class RemoteProducer:
         if kind == "error":
             raise ProducerError(f"rollout worker {self.index} failed to start: {payload}")
         self._refit(model, version, fresh=True)
-        self._collector = threading.Thread(target=self._collect, name=f"rollout-{self.index}-results", daemon=True)
-        self._collector.start()
+        self._start_collecting()
 
     def submit(self, work: list[Work]) -> None:
         self._send(("add", work))
@@ -120,28 +159,20 @@ class RemoteProducer:
         return (f"rollout worker {self.index} (pid {self.pid}) died {when} "
                 f"(exit code {self.process.exitcode})")
 
-    def _collect(self) -> None:
-        while True:
-            try:
-                if not self._conn.poll(0.5):
-                    if self._closing:
-                        return
-                    if self.process.is_alive():
-                        continue
-                    raise EOFError
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                if not self._closing:
-                    self.failure = self._death("mid-step")
-                    self._wake()
-                return
-            if msg[0] == "finished":
-                self.idle_seconds = msg[2]
-                self._sink(self.index, msg[1])
-            elif msg[0] == "error":
-                self.failure = f"rollout worker {self.index} (pid {self.pid}) failed: {msg[1]}"
-                self._wake()
-                return
+    def _poll(self) -> tuple[list, float, str | None] | None:
+        try:
+            if not self._conn.poll(0.5):
+                if self._closing or self.process.is_alive():
+                    return None
+                raise EOFError
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            raise ProducerError(self._death("mid-step")) from None
+        if msg[0] == "finished":
+            return msg[1], msg[2], None
+        if msg[0] == "error":
+            return [], self.idle_seconds, f"rollout worker {self.index} (pid {self.pid}) failed: {msg[1]}"
+        return None
 
     def close(self) -> None:
         self._closing = True
