@@ -138,10 +138,11 @@ def _staleness(cfg: Config, step, ro, old: torch.Tensor, mask: torch.Tensor, see
     again; the KL between the two trainer scorings is the policy's drift over ``s`` updates
     on these tokens. Shown alongside (not part of the sum). Runs last: it trains the doctor's
     scratch copy of the job."""
-    mode = cfg.trainer.mode
-    if mode == "sync":
+    settings = step.source.s  # the job's own batch source: how stale its batches may be
+    mode = "async" if settings.partial else "one_step_off"
+    if not settings.overlapped:
         return Cause("staleness", "trainer.mode=sync", None, note="a synchronous batch is on-policy", additive=False)
-    s = 1 if mode == "one_step_off" else cfg.pipeline.max_staleness
+    s = settings.max_staleness
     if s == 0:
         return Cause("staleness", f"{mode}, max_staleness=0", 0.0, additive=False,
                      note="every batch is sampled by the weights it trains")

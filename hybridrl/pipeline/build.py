@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from hybridrl.config import Config
+from hybridrl.config.base import ConfigError
 from hybridrl.pipeline.coordinator import Pipeline
 from hybridrl.pipeline.engines import adapter_spec, build_engine, build_runner
 from hybridrl.pipeline.producers import InlineProducer, LocalProducer
@@ -45,8 +46,8 @@ def source_settings(cfg: Config, ranks: int) -> SourceSettings:
     staleness = {"sync": 0, "one_step_off": 1}.get(t.mode, p.max_staleness)
     placement = ("a thread of the trainer process" if p.placement == "colocated" else
                  "Ray actors" if cfg.launcher.name == "ray" else "processes (weights by shared memory)")
-    return SourceSettings(mode=t.mode, groups_per_step=cfg.batch.prompts_per_step // ranks, max_staleness=staleness,
-                          partial=t.mode == "async", workers=1 if t.mode == "sync" else p.workers,
+    return SourceSettings(overlapped=t.mode != "sync", groups_per_step=cfg.batch.prompts_per_step // ranks,
+                          max_staleness=staleness, partial=t.mode == "async", workers=1 if t.mode == "sync" else p.workers,
                           placement=placement, timeout_s=p.timeout_s, restarts=p.worker_restarts,
                           dynamic_sampling=d.dynamic_sampling, refill_rounds=d.refill_rounds)
 
@@ -67,8 +68,12 @@ def build_source(cfg: Config, parts: SourceParts) -> Pipeline:
 
 def check_composable(cfg: Config) -> None:
     """What the overlapped producers cannot run, one line each, with the reason."""
+    if cfg.trainer.mode != "sync" and cfg.rollout.exact:
+        raise ConfigError(f"rollout.exact with trainer.mode={cfg.trainer.mode}: not supported (stale weights are not "
+                         "on-policy: exact means the trainer's bits at the version that trains them); set "
+                         "rollout.exact=false or drop that setting")
     if cfg.trainer.mode != "sync" and cfg.rollout.tensor_parallel_size > 1:
-        raise ValueError(f"trainer.mode={cfg.trainer.mode} with rollout.tensor_parallel_size="
+        raise ConfigError(f"trainer.mode={cfg.trainer.mode} with rollout.tensor_parallel_size="
                          f"{cfg.rollout.tensor_parallel_size}: an overlapped producer runs a whole engine of its own "
                          "on its own thread or process, while a tensor-parallel engine's shards step together on the "
                          "ranks' trainer threads; use tensor_parallel_size=1 (each rank then overlaps its own engine) "

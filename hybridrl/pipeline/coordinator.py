@@ -257,7 +257,7 @@ class Pipeline:
         ro = sb.rollouts
         st = staleness_metrics(ro.token_versions, ro.response_mask, self.version_of_step(step), self.s.max_staleness)
         out = {"batch/refill_rounds": float(self.rounds.get(step, 0))} if self.s.dynamic_sampling else {}
-        if self.s.mode == "sync":
+        if not self.s.overlapped:
             return out  # the trainer's own engine: the bound (0) is checked, nothing else to report
         buffered = self.book.finished_count()
         capacity = (self.s.max_staleness + 1) * self.s.groups_per_step

@@ -178,7 +178,6 @@ def check_engine_choice(cfg: Config) -> None:
                                                                               "are another policy"),
         f"rollout.tensor_parallel_size={r.tensor_parallel_size}": (r.tensor_parallel_size > 1,
                                                                   "split reductions are not the trainer's"),
-        f"trainer.mode={cfg.trainer.mode}": (cfg.trainer.mode != "sync", "stale weights are not on-policy"),
         f"launcher ranks={cfg.launcher.ranks}": (cfg.launcher.ranks > 1, "the exact engine runs the trainer's "
                                                                          "unsharded modules, one process"),
         f"model.arch={cfg.model.arch}": (cfg.model.arch == "deepseek_v4", "its compressed attention runs padded only, "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 class SourceSettings:
     """How the source admits and publishes (from ``trainer.mode``, ``pipeline.*``, ``algo.dapo.*``)."""
 
-    mode: str  # trainer.mode, for messages
+    overlapped: bool  # producers with engines of their own (one_step_off, async); False: the trainer's engine
     groups_per_step: int  # this rank's prompts per step
     max_staleness: int
     partial: bool  # refit producers at once (async) or between batches
@@ -37,7 +37,7 @@ class SourceSettings:
     refill_rounds: int = 0
 
     def describe(self) -> str:
-        if self.mode == "sync":
+        if not self.overlapped:
             return "pipeline: sync (the trainer's engine generates each step's batch, staleness 0)"
         kind = "async (partial rollouts)" if self.partial else "one_step_off"
         return (f"pipeline: {kind}, max_staleness {self.max_staleness}, {self.workers} rollout worker(s)"

@@ -196,10 +196,13 @@ def test_train_step_metrics_identical_with_and_without_the_recompute_pass(tmp_pa
                                      (["model.arch=deepseek_v4"], "model.arch=deepseek_v4")])
 def test_unsupported_combinations_are_one_line_errors(bad, key):
     from hybridrl.config.io import load_config
+    from hybridrl.pipeline.build import check_composable
     from hybridrl.pipeline.engines import check_engine_choice
 
-    with pytest.raises(ConfigError, match=key) as e:
-        check_engine_choice(load_config(None, ["rollout.exact=true", *bad]))
+    with pytest.raises(ConfigError, match=key) as e:  # what build_run checks before building anything
+        cfg = load_config(None, ["rollout.exact=true", *bad])
+        check_engine_choice(cfg)
+        check_composable(cfg)
     assert "\n" not in str(e.value) and "rollout.exact=false" in str(e.value)
     with pytest.raises(ConfigError, match="rollout.exact=true"):
         load_config(None, ["rollout.exact_recompute=true"])

@@ -60,7 +60,7 @@ def test_requests_in_flight_continue_under_each_new_version() -> None:
 
     scorer = SimpleNamespace(score=lambda resp, ans, txt: RewardBatch(scores=[0.0] * len(resp)))
     trainer_engine = RolloutEngine(models[3].config, EngineSpec(max_batch_size=2, max_seq_len=32))
-    pipe = Pipeline(settings=SourceSettings(mode="async", groups_per_step=P, max_staleness=1, partial=True,
+    pipe = Pipeline(settings=SourceSettings(overlapped=True, groups_per_step=P, max_staleness=1, partial=True,
                                             workers=1, timeout_s=60, restarts=0),
                     groups=SingleTurnGroups(train_set, scorer, sampling, pad_id=0), local=worker(trainer_engine),
                     make_producer=make, weights=lambda model: model, device=torch.device("cpu"),

@@ -101,7 +101,7 @@ def test_no_trained_token_is_staler_than_the_bound(max_staleness: int, partial: 
     P, n, steps, train_size = 3, 2, 10, 50
     train_set = SimpleNamespace(prompts=[[i % 7 + 1, 3] for i in range(train_size)], answers=[None] * train_size,
                                 prompt_texts=[""] * train_size)
-    settings = SourceSettings(mode="async" if partial else "one_step_off", groups_per_step=P,
+    settings = SourceSettings(overlapped=True, groups_per_step=P,
                               max_staleness=max_staleness, partial=partial, workers=workers, timeout_s=60, restarts=0)
     groups = SingleTurnGroups(train_set, SimpleNamespace(score=score), SamplingParams(n=n, max_tokens=64), pad_id=0)
     pipe = Pipeline(settings=settings, groups=groups, local=TrainerEngine(),
