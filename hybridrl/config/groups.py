@@ -270,9 +270,6 @@ class Config:
         estimator = self.algo.advantage.estimator
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
             raise ConfigError(f"algo.advantage.estimator={estimator} needs groups: set rollout.n >= 2")
-        if self.rollout.backend == "vllm" and self.rollout.quantization and self.model.dtype != "bfloat16":
-            raise ConfigError(f"rollout.quantization={self.rollout.quantization} with rollout.backend=vllm needs "
-                              "model.dtype=bfloat16 (vLLM's online FP8 runs bf16 activations)")
         if self.rollout.temperature == 0 and self.rollout.n > 1:
             raise ConfigError("rollout.temperature=0 makes all rollout.n samples of a prompt identical "
                               "(zero advantage); use a temperature > 0")
@@ -285,10 +282,6 @@ class Config:
                 raise ConfigError(f"batch.prompts_per_step={self.batch.prompts_per_step} and "
                                   f"batch.mini_batch_size={self.batch.mini_batch_size} must split evenly over "
                                   f"{ranks} ranks (whole prompt groups per rank); use multiples of {ranks}")
-            if self.rollout.backend == "vllm" and self.rollout.tensor_parallel_size != ranks:
-                raise ConfigError(f"rollout.backend=vllm on {ranks} ranks runs one vLLM engine over all of them "
-                                  "(vLLM's external_launcher, a shard per rank): set rollout.tensor_parallel_size="
-                                  f"{ranks}, or use rollout.backend=builtin for data-parallel generation groups")
             tp = self.rollout.tensor_parallel_size
             if ranks % tp:
                 raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {ranks} ranks (launcher."
@@ -302,21 +295,11 @@ class Config:
 
     def _check_lora(self) -> None:
         """LoRA combinations that cannot work, refused at config time (the model-dependent
-        checks, target names and ranks, run when the model is built: ``lora/targets.py``)."""
+        checks, target names and ranks, run when the model is built: ``lora/targets.py``;
+        the vLLM backend's own: ``vllm_backend/limits.py``)."""
         if not self.model.lora.enabled:
             return
         r = self.rollout
-        if r.backend == "vllm" and r.lora_mode == "adapter" and r.kv_on_refit != "recompute":
-            raise ConfigError(f"model.lora with rollout.backend=vllm, rollout.lora_mode=adapter and "
-                              f"rollout.kv_on_refit={r.kv_on_refit}: requests kept across a refit would hold the "
-                              "removed adapter; use rollout.kv_on_refit=recompute or rollout.lora_mode=merged")
-        if r.backend == "vllm" and r.lora_mode == "merged":
-            targets = set(self.model.lora.target_modules)
-            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-                if targets & set(group) and not set(group) <= targets:
-                    raise ConfigError(f"model.lora.target_modules={sorted(targets)} with rollout.backend=vllm splits "
-                                      f"vLLM's fused {'/'.join(group)} layer (it reloads a fused layer from all its "
-                                      f"shards); target all of {', '.join(group)} or none")
         if r.quantization and r.lora_mode == "adapter" and "fp8" in r.quantization:
             raise ConfigError(f"rollout.quantization={r.quantization} with rollout.lora_mode=adapter: the FP8 "
                               "rollout weights would be the base's while the adapters stay full precision; use "

@@ -164,11 +164,14 @@ def episode_limits(cfg: Config):
 
 
 def check_engine_choice(cfg: Config) -> None:
-    """What ``rollout.exact``'s engine cannot serve, one line each with the reason (it
+    """What the chosen engine cannot serve, one line each with the reason: the vLLM backend's
+    limits (``vllm_backend/limits.py``), and ``rollout.exact``'s engine's (it
     samples with the trainer's own unsharded modules, in the trainer's thread, on static
     batches through ``generate``). Checked before anything is built."""
     from hybridrl.config.base import ConfigError
+    from hybridrl.vllm_backend.limits import check_vllm_run
 
+    check_vllm_run(cfg)
     r = cfg.rollout
     if not r.exact:
         return

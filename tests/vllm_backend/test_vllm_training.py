@@ -9,6 +9,7 @@ from _vllm_helpers import SKIP_NO_VLLM, record_llm_calls
 
 from hybridrl.config.base import ConfigError
 from hybridrl.config.io import load_config
+from hybridrl.pipeline.engines import check_engine_choice
 
 pytestmark = SKIP_NO_VLLM
 
@@ -68,8 +69,8 @@ def test_lora_refits_reach_vllm(tmp_path, mode):
     if mode == "merged":
         return
     with pytest.raises(ConfigError, match="splits vLLM's fused q_proj/k_proj/v_proj"):
-        load_config(None, _overrides(tmp_path, 1) + ["model.lora.rank=4", "rollout.lora_mode=merged",
-                                                     "model.lora.target_modules=[q_proj,v_proj]"])
+        check_engine_choice(load_config(None, _overrides(tmp_path, 1) + [
+            "model.lora.rank=4", "rollout.lora_mode=merged", "model.lora.target_modules=[q_proj,v_proj]"]))
 
 
 def test_grpo_with_fp8_rollout_on_vllm(tmp_path):
