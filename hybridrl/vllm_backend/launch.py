@@ -7,6 +7,9 @@
   real ones come through the weight-update bracket).
 - ``kv_cache_bytes``: the KV cache sized from ``max_batch_size x max_seq_len``, never from
   free host memory.
+- ``llm_args``: the ``vllm.LLM`` arguments of an engine (placeholder weights, raw logits and
+  our full-vocabulary log-prob processor, tensor parallel over the trainer's world, FP8,
+  LoRA adapter mode, CPU MLA).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import tempfile
 import torch
 
 from hybridrl.rollout.backend import EngineSpec
-from hybridrl.vllm_backend.mla import check_mla, has_moe_layers, is_mla, vllm_config_keys
+from hybridrl.vllm_backend import full_vocab_logprobs as fvl
+from hybridrl.vllm_backend.fp8 import vllm_quantization
+from hybridrl.vllm_backend.mla import CPU_LLM_KWARGS, check_mla, has_moe_layers, is_mla, vllm_config_keys
 
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -91,3 +96,47 @@ def kv_cache_bytes(hf_config, spec: EngineSpec) -> int:
 
     per_token = kv_bytes_per_token(hf_config, torch.tensor([], dtype=spec.dtype).element_size())
     return max(16 << 20, 2 * per_token * spec.max_batch_size * (spec.max_seq_len + 16))
+
+
+def llm_args(hf_config, spec: EngineSpec, model_dir: str, *, seed: int, enforce_eager: bool,
+             free_cache_engine: bool, tp_size: int) -> dict:
+    """The ``vllm.LLM`` arguments of a ``VllmEngine`` over the config-only ``model_dir``."""
+    on_cpu = torch.device(spec.device).type == "cpu"
+    args = dict(model=model_dir, skip_tokenizer_init=True, load_format="dummy",
+                dtype=VLLM_DTYPES[spec.dtype], max_model_len=spec.max_seq_len, max_num_seqs=spec.max_batch_size,
+                kv_cache_memory_bytes=kv_cache_bytes(hf_config, spec), seed=seed, enforce_eager=enforce_eager or on_cpu,
+                logprobs_mode="raw_logits", logits_processors=[fvl.processor_class()],
+                generation_config="vllm", enable_prefix_caching=True, disable_log_stats=True,
+                # CPU: vLLM refuses sleep mode; its CPU worker ignores sleep / wake_up (sleep.py)
+                enable_sleep_mode=free_cache_engine and not on_cpu)
+    if tp_size > 1:  # one shard per rank, in this process, over the trainer's torch.distributed world
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() != tp_size:
+            raise ValueError(f"VllmEngine: tensor_parallel_size={tp_size} runs vLLM's external_launcher over the "
+                             f"whole torch.distributed world, which has "
+                             f"{dist.get_world_size() if dist.is_initialized() else 1} ranks; use "
+                             "rollout.tensor_parallel_size = the number of ranks")
+        args.update(tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher")
+    quantization = vllm_quantization(spec.quantization, spec.dtype, on_cpu)
+    if quantization is not None:
+        args["quantization"] = quantization
+    if spec.lora is not None:  # adapter mode: vLLM applies the policy's adapter (lora.py)
+        from hybridrl.vllm_backend.lora import lora_llm_kwargs
+
+        args.update(lora_llm_kwargs(spec.lora))
+    if on_cpu and is_mla(hf_config):
+        args.update(CPU_LLM_KWARGS)  # CPU_MLA on every host; rotary off for 3-D q/k (mla.py)
+    return args
+
+
+def cpu_shm_segments() -> list[str]:
+    """vLLM's CPU shared-memory all-reduce segments on this host (``/dev/shm/*cpushm*``).
+
+    Under tensor parallelism vLLM's CPU all-reduce keeps segments named after the group alone
+    (with external_launcher: "-tp:0-[0-1]-cpushm_<rank>") and never unlinks them, so the next
+    engine on the host fails with "create shm in SHMManager failed. errno: 17": an engine
+    removes the ones its construction created (``VllmEngine.close``)."""
+    import glob
+
+    return glob.glob("/dev/shm/*cpushm*")

@@ -20,6 +20,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from hybridrl.vllm_backend.isolation import preserve_torch_state
+
 MAX_DEPTH = 2  # layer -> quant_method -> kernel
 
 
@@ -68,3 +70,19 @@ def _is_holder(value) -> bool:
     if isinstance(value, (type, str, bytes, int, float, bool, dict, list, tuple, set)):
         return False
     return hasattr(value, "__dict__") and type(value).__module__.startswith("vllm.")
+
+
+def named_state_tensors(llm, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """vLLM's parameters, buffers, tensors its layers and quantization methods hold as plain
+    attributes, and KV-cache tensors (what refit's address check snapshots). vLLM's reload
+    copies into the parameters and buffers in place (FP8 included); an attribute tensor a
+    reload re-created would be caught here. The packed GEMM handles behind CPU linear layers
+    (closures, not tensors) are rebuilt by every reload, but no captured graph reads them
+    (CPU is eager)."""
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+    yield from derived_tensor_attributes(model)
+    with preserve_torch_state():
+        caches = llm.collective_rpc(lambda worker: list(worker.model_runner.kv_caches))[0]
+    for i, t in enumerate(caches):
+        yield f"kv_cache.{i}", t

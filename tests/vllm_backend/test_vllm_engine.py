@@ -192,7 +192,9 @@ def test_tied_head_is_refreshed_after_reload(engine, tiny_checkpoint, monkeypatc
     engine rebuilds it, and without that the post-reload check catches the stale head."""
     _, _, model = tiny_checkpoint
     assert engine.weight_routes.tied
-    monkeypatch.setattr(engine, "_refresh_tied_head", lambda: None)
+    import hybridrl.vllm_backend.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "refresh_tied_head", lambda model, routes: None)
     with pytest.raises(WeightUpdateError, match="lm_head"):
         refit_from_model(engine, perturbed(model, seed=6))
     monkeypatch.undo()
