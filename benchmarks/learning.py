@@ -176,10 +176,11 @@ class OursSide:
         self.run = run
         self.rng = random.Random(run.cfg.trainer.seed + 1)
         self.side = Side(warm_acc)
+        run.step.start(self.rng, 1)  # after the warm start: the batch source draws every step's prompts from rng
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        self.run.step(self.rng)
+        self.run.step()
         self.side.step_s.append(time.perf_counter() - t0)
 
 

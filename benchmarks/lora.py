@@ -36,7 +36,8 @@ import random
 cfg = load_config(None, json.loads(sys.argv[2]))
 run = build_run(cfg)
 loop._attach_reference(run, cfg)
-run.step(random.Random(0))
+run.step.start(random.Random(0), 1)
+run.step()
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]  # this process's peak (ru_maxrss survives exec)
 print(json.dumps({"rss_mib": int(hwm.split()[1]) / 1024}))
 """

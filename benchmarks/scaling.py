@@ -66,7 +66,7 @@ def _one_step(run, rng, world: int, profiled: bool) -> dict:
         prof = profile(activities=[ProfilerActivity.CPU])
         prof.__enter__()
     t0 = time.perf_counter()
-    m = run.step(rng)
+    m = run.step()
     wall = time.perf_counter() - t0
     out = {"wall": wall, "phases": sum(v for k, v in m.items() if k.startswith("time/")), "refit": m["time/refit_s"]}
     if prof is not None:
@@ -95,6 +95,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], commands, re
         if dp is not None:
             run.step.shard_for_data_parallel()
         rng = random.Random(1)
+        run.step.start(rng, 1)  # the batch source draws every step's prompts from rng
         results.put({"rank": rank, "ready": True})
         while (command := commands.get()) != "stop":
             results.put({"rank": rank, **_one_step(run, rng, world, profiled=command == "profile")})

@@ -43,8 +43,9 @@ Differs (by design of each framework):
   * response lengths follow each side's own samples (random init: most hit max tokens);
     the mean lengths are printed so a mismatch is visible.
 
-Phase rows: rollout (ours ``time/rollout_s`` vs TRL ``_generate_single_turn``), reward
-(vs TRL ``_calculate_rewards``) and update (ours ``time/update_s`` vs TRL step minus
+Phase rows: rollout+reward (ours ``time/rollout_s``, which scores each group while later
+ones still decode, vs TRL ``_generate_single_turn`` plus ``_calculate_rewards``) and
+update (ours ``time/update_s`` vs TRL step minus
 ``_prepare_inputs``: the loss forward, backward and optimizer step). TRL's phases are
 timed by wrapping those bound methods on the trainer instance.
 """
@@ -68,7 +69,7 @@ from hybridrl.config import Config  # noqa: E402
 from hybridrl.config.io import build_config  # noqa: E402
 
 WARMUP_STEPS = 1
-OURS_PHASES = ("rollout", "reward", "log_probs", "advantages", "update", "refit")
+OURS_PHASES = ("rollout", "log_probs", "advantages", "update", "refit")  # scoring runs inside "rollout"
 
 
 def trl_baseline_name(trainer) -> str:
@@ -107,18 +108,21 @@ class OursSide:
         self.cfg = cfg
         self.run = build_run(cfg, console=lambda s: None)
         self.rng = random.Random(cfg.trainer.seed + 1)
+        self.run.step.start(self.rng, 1)  # the batch source draws every step's prompts from rng
         self.steps: list[dict[str, float]] = []
 
     def step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        m = self.run.step(self.rng)
+        m = self.run.step()
         rec = {"step": time.perf_counter() - t0, "length": m["response/length_mean"],
                **{p: m[f"time/{p}_s"] for p in OURS_PHASES}}
+        rec["rollout+reward"] = rec["rollout"]
         rec["other"] = rec["step"] - sum(rec[p] for p in OURS_PHASES)  # advantages, masks, metrics
         self.steps.append(rec)
         return rec
 
     def close(self) -> None:
+        self.run.step.close()
         self.run.log.close()
         self.run.step.scorer.close()
 
@@ -189,9 +193,9 @@ def build_trl(cfg: Config, run, *, steps: int, output_dir: str, after_step):
         def on_step_end(self, *a, **k):
             step_s = time.perf_counter() - self.t0
             prep = acc.get("_prepare_inputs", 0.0)
-            records.append({"step": step_s, "rollout": acc.get("_generate_single_turn", 0.0),
-                            "reward": acc.get("_calculate_rewards", 0.0), "prepare": prep, "update": step_s - prep,
-                            "length": sum(lengths) / max(len(lengths), 1)})
+            rollout, reward = acc.get("_generate_single_turn", 0.0), acc.get("_calculate_rewards", 0.0)
+            records.append({"step": step_s, "rollout": rollout, "reward": reward, "rollout+reward": rollout + reward,
+                            "prepare": prep, "update": step_s - prep, "length": sum(lengths) / max(len(lengths), 1)})
             after_step()
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args, train_dataset=data,
@@ -243,7 +247,7 @@ def main() -> None:
     med = {side: {k: median([s[k] for s in recs]) for k in recs[0]} for side, recs in (("ours", o), ("trl", b))}
     case = f"{prompts}x{n} T={args.max_tokens}"
     rows = [row(case=case, metric=f"{k} s", ours=med["ours"][k], baseline=med["trl"][k], baseline_name=trl_name,
-                higher_is_better=False) for k in ("step", "rollout", "reward", "update")]
+                higher_is_better=False) for k in ("step", "rollout+reward", "update")]
     rows.append(row(case=case, metric="best step s", ours=min(s["step"] for s in o),
                     baseline=min(s["step"] for s in b), baseline_name=trl_name, higher_is_better=False))
     report(rows, args.json)

@@ -46,10 +46,10 @@ def run_case(name: str, extra: list[str], *, device: str, steps: int, out_dir: P
         engine = run.step.rollout.engine
         runner = engine.runner
         first_version = engine.weight_version
-        rng = random.Random(0)
+        run.step.start(random.Random(0), 1)  # the batch source draws every step's prompts
         metrics: dict[str, float] = {}
         for _ in range(steps):
-            metrics = run.step(rng)
+            metrics = run.step()
         graphs = runner.graphs
         fp8_layers = [m for m in engine.model.modules() if hasattr(m, "weight_dequant_cache")]
         result = dict(
@@ -70,6 +70,7 @@ def run_case(name: str, extra: list[str], *, device: str, steps: int, out_dir: P
         result["ok"], result["problems"] = not problems, problems
         return result
     finally:
+        run.step.close()
         run.log.close()
         run.step.scorer.close()
         run.directory.close()
