@@ -85,7 +85,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from hybridrl.config.io import load_config
-    from hybridrl.distributed.plan import plan_memory, shape_config
+    from hybridrl.distributed.plan import EngineLoad, plan_memory, shape_config
     from hybridrl.job.model_factory import DTYPES
 
     cfg = load_config(args.config, args.overrides)
@@ -107,10 +107,11 @@ def _plan(args: argparse.Namespace) -> int:
         hf_config = builtin_model(builtin_tokenizer(), m).config
     world = cfg.launcher.nnodes * cfg.launcher.ranks
     dtype = DTYPES[cfg.model.dtype]
-    plan = plan_memory(hf_config, world_size=world, trainer_dtype=dtype, engine_dtype=dtype,
-                       quantization=r.quantization, batch=min(cfg.batch.prompts_per_step * r.n // world or 1, 256),
-                       seq_len=cfg.data.max_prompt_length + r.max_tokens, bucket_bytes=cfg.refit.bucket_mb << 20,
-                       tensor_parallel_size=r.tensor_parallel_size)
+    engine = EngineLoad(dtype=dtype, quantization=r.quantization,
+                        batch=min(cfg.batch.prompts_per_step * r.n // world or 1, 256),
+                        seq_len=cfg.data.max_prompt_length + r.max_tokens, tensor_parallel_size=r.tensor_parallel_size)
+    plan = plan_memory(hf_config, world_size=world, trainer_dtype=dtype, bucket_bytes=cfg.refit.bucket_mb << 20,
+                       engine=engine)
     if r.kv_cache_mb:  # the engine runs only the rows whose KV cache fits the budget
         import dataclasses
 
@@ -150,27 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (("train", _train, "run RL training (default: the built-in arithmetic task)"),
                                ("config", _config, "print the resolved configuration as YAML")):
-        sp = sub.add_parser(name, help=helptext, formatter_class=argparse.RawDescriptionHelpFormatter,
-                            epilog="overrides: group.key=value, groups and keys:\n" + help_text())
-        _config_arguments(sp, "trainer.total_steps=200 algo.kl.coef=0")
-        sp.set_defaults(fn=fn)
-    ev = sub.add_parser("eval", help="greedy accuracy, pass@k and maj@k of a local checkpoint on held-out prompts",
-                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="e.g. hybridrl eval --model runs/default/checkpoint data.val_files=[val.jsonl] "
-                               "reward.functions=gsm8k --k 8 --out samples.jsonl")
+        _config_command(sub, name, fn, "trainer.total_steps=200 algo.kl.coef=0", help=helptext,
+                        epilog="overrides: group.key=value, groups and keys:\n" + help_text())
+    ev = _config_command(sub, "eval", _eval, "data.val_files=[val.jsonl]",
+                         help="greedy accuracy, pass@k and maj@k of a local checkpoint on held-out prompts",
+                         epilog="e.g. hybridrl eval --model runs/default/checkpoint data.val_files=[val.jsonl] "
+                                "reward.functions=gsm8k --k 8 --out samples.jsonl")
     ev.add_argument("--model", required=True, help="local HF checkpoint directory")
     ev.add_argument("--k", type=int, default=None, help="samples per prompt for pass@k / maj@k (eval.k)")
     ev.add_argument("--out", help="write one JSON line per prompt (greedy and sampled responses, scores)")
-    _config_arguments(ev, "data.val_files=[val.jsonl]")
-    ev.set_defaults(fn=_eval)
-    pl = sub.add_parser("plan", help="per-device memory of a (data-parallel) job, from the real sharding code",
-                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="e.g. hybridrl plan --shape qwen2.5-7b launcher.nnodes=8 launcher.nproc_per_node=8 "
-                               "model.dtype=bfloat16 --device-gib 80")
+    pl = _config_command(sub, "plan", _plan, "launcher.nproc_per_node=8",
+                         help="per-device memory of a (data-parallel) job, from the real sharding code",
+                         epilog="e.g. hybridrl plan --shape qwen2.5-7b launcher.nnodes=8 launcher.nproc_per_node=8 "
+                                "model.dtype=bfloat16 --device-gib 80")
     pl.add_argument("--shape", help="a built-in model shape instead of model.path: qwen2.5-0.5b | qwen2.5-7b | qwen2.5-32b")
     pl.add_argument("--device-gib", type=float, default=None, help="device memory to check the plan against")
-    _config_arguments(pl, "launcher.nproc_per_node=8")
-    pl.set_defaults(fn=_plan)
     ex = sub.add_parser("export", help="a LoRA run's checkpoint as a peft adapter folder (+ its base, + merged)",
                         epilog="e.g. hybridrl export runs/default/checkpoint exported --merged")
     ex.add_argument("checkpoint", help="a LoRA run's checkpoint directory (runs/NAME/checkpoint)")
@@ -180,16 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="diagnose a job: `doctor mismatch` measures the rollout/trainer log-prob "
                                         "gap and how much each cause explains")
     dsub = doc.add_subparsers(dest="what", required=True)
-    mm = dsub.add_parser("mismatch", help="the rollout/trainer gap of one batch, by cause; table, JSON and plot",
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
+    mm = _config_command(dsub, "mismatch", _doctor, "rollout.quantization=fp8",
+                         help="the rollout/trainer gap of one batch, by cause; table, JSON and plot",
                          epilog="e.g. hybridrl doctor mismatch rollout.quantization=fp8 --out fp8-doctor")
     mm.add_argument("--out", help="output folder (new; default: trainer.output_dir/RUN_NAME-doctor)")
     mm.add_argument("--seed", type=int, default=0, help="which batch of prompts to draw")
     mm.add_argument("--engine-temperature", type=float, default=None,
                     help="sample at this temperature instead of rollout.temperature (inject a mismatch)")
     mm.add_argument("--no-warm-start", action="store_true", help="diagnose the model as built, before its warm start")
-    _config_arguments(mm, "rollout.quantization=fp8")
-    mm.set_defaults(fn=_doctor)
     g = sub.add_parser("generate", help="sample from a local HF checkpoint with the built-in engine")
     g.add_argument("--model", required=True, help="local HF checkpoint directory")
     g.add_argument("--max-tokens", type=int, default=16)
@@ -200,10 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
-    """``--config FILE`` and the dotted overrides every config-reading command takes."""
+def _config_command(sub, name: str, fn, example: str, **parser_kw) -> argparse.ArgumentParser:
+    """A subcommand that reads a config: ``--config FILE`` and the dotted overrides (``example``
+    shows one), its epilog printed as written, ``fn`` run on the parsed arguments."""
+    parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **parser_kw)
     parser.add_argument("--config", help="YAML file with groups of keys")
     parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+    parser.set_defaults(fn=fn)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,58 +11,53 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridrl.config.base import ConfigError, _f, check_choice, check_number
+from hybridrl.config.base import ConfigError, Range, _f, check_choice, check_ranges
 
 
 @dataclass(kw_only=True)
 class AdvantageConfig:
     estimator: str = _f("grpo", "grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | gae")
     norm_by_std: bool = _f(True, "grpo: divide by the group std")
-    gamma: float = _f(1.0, "discount (gae, reinforce_plus_plus)")
-    lam: float = _f(1.0, "GAE lambda")
+    gamma: float = _f(1.0, "discount (gae, reinforce_plus_plus)", check=Range(low=0, high=1))
+    lam: float = _f(1.0, "GAE lambda", check=Range(low=0, high=1))
 
     def __post_init__(self) -> None:
         from hybridrl.algos import ADV_ESTIMATORS
 
         check_choice(self.estimator, ADV_ESTIMATORS, "algo.advantage.estimator")
-        check_number(self.gamma, "algo.advantage.gamma", low=0, high=1)
-        check_number(self.lam, "algo.advantage.lam", low=0, high=1)
+        check_ranges(self, "algo.advantage")
 
 
 @dataclass(kw_only=True)
 class PolicyLossConfig:
     name: str = _f("vanilla", "vanilla (PPO clip; dual clip via clip_ratio_c, DAPO clip-higher via clip_ratio_high) | gspo | cispo | reinforce")
-    clip_ratio_low: float = _f(0.2, "clip epsilon (lower side)")
-    clip_ratio_high: float = _f(0.2, "clip epsilon (upper side; > low = DAPO clip-higher)")
-    clip_ratio_c: float | None = _f(3.0, "dual-clip constant c (> 1); null = dual clip off (vanilla only)")
-    entropy_coeff: float = _f(0.0, "entropy bonus coefficient")
+    clip_ratio_low: float = _f(0.2, "clip epsilon (lower side)", check=Range(low=0))
+    clip_ratio_high: float = _f(0.2, "clip epsilon (upper side; > low = DAPO clip-higher)", check=Range(low=0))
+    clip_ratio_c: float | None = _f(3.0, "dual-clip constant c (> 1); null = dual clip off (vanilla only)",
+                                    check=Range(low=1, low_open=True, hint="dual clip needs c > 1, or null for off"))
+    entropy_coeff: float = _f(0.0, "entropy bonus coefficient", check=Range())
 
     def __post_init__(self) -> None:
         from hybridrl.algos import POLICY_LOSSES
 
         check_choice(self.name, POLICY_LOSSES, "algo.policy_loss.name")
-        check_number(self.clip_ratio_low, "algo.policy_loss.clip_ratio_low", low=0)
-        check_number(self.clip_ratio_high, "algo.policy_loss.clip_ratio_high", low=0)
-        check_number(self.clip_ratio_c, "algo.policy_loss.clip_ratio_c", low=1, low_open=True,
-                     hint="dual clip needs c > 1, or null for off")
-        check_number(self.entropy_coeff, "algo.policy_loss.entropy_coeff")
+        check_ranges(self, "algo.policy_loss")
 
 
 @dataclass(kw_only=True)
 class KLConfig:
-    coef: float = _f(0.0, "KL coefficient (0 = no reference model)")
+    coef: float = _f(0.0, "KL coefficient (0 = no reference model)", check=Range(low=0))
     estimator: str = _f("k3", "k1 | k2 | k3 | abs | low_var_kl | mse")
     use_loss: bool = _f(True, "KL as a loss term (true) or a reward penalty (false)")
-    adaptive_target: float | None = _f(None, "reward-penalty KL: target KL for the adaptive controller; null = fixed")
-    horizon: int = _f(10000, "adaptive KL controller horizon (samples)")
+    adaptive_target: float | None = _f(None, "reward-penalty KL: target KL for the adaptive controller; null = fixed",
+                                       check=Range(low=0, low_open=True))
+    horizon: int = _f(10000, "adaptive KL controller horizon (samples)", check=Range(low=1))
 
     def __post_init__(self) -> None:
         from hybridrl.algos import KL_ESTIMATORS
 
         check_choice(self.estimator, KL_ESTIMATORS, "algo.kl.estimator")
-        check_number(self.coef, "algo.kl.coef", low=0)
-        check_number(self.adaptive_target, "algo.kl.adaptive_target", low=0, low_open=True)
-        check_number(self.horizon, "algo.kl.horizon", low=1)
+        check_ranges(self, "algo.kl")
         if self.adaptive_target is not None and (self.use_loss or self.coef == 0):
             raise ConfigError("algo.kl.adaptive_target applies to the KL reward penalty: set algo.kl.use_loss=false "
                               "and algo.kl.coef > 0, or remove it")
@@ -72,21 +67,21 @@ class KLConfig:
 class CorrectionConfig:
     """Off-policy correction for the rollout/trainer mismatch."""
 
-    tis_cap: float | None = _f(None, "truncated importance sampling cap C; null = off")
-    mismatch_seq_upper: float | None = _f(None, "mask sequences whose trainer/rollout geometric-mean ratio exceeds this; null = off")
-    mismatch_seq_lower: float | None = _f(None, "lower bound of that ratio (default 1/upper)")
+    tis_cap: float | None = _f(None, "truncated importance sampling cap C; null = off",
+                               check=Range(low=0, low_open=True, hint="typical 2.0, or null"))
+    mismatch_seq_upper: float | None = _f(None, "mask sequences whose trainer/rollout geometric-mean ratio exceeds this; null = off",
+                                          check=Range(low=0, low_open=True))
+    mismatch_seq_lower: float | None = _f(None, "lower bound of that ratio (default 1/upper)",
+                                          check=Range(low=0, low_open=True))
     decoupled: bool = _f(True, "trainer.mode one_step_off/async, a batch with tokens of older versions: decoupled "
                                "PPO (clip around the proximal policy = the weights at the start of the update, "
                                "recomputed; each token weighted by min(pi_prox / pi_behaviour, decoupled_cap)); "
                                "false = no correction, stale tokens treated as on-policy (for comparison)")
     decoupled_cap: float = _f(2.0, "cap of the behaviour -> proximal importance weight (tis_cap, when set, is the "
-                                   "same weight and wins)")
+                                   "same weight and wins)", check=Range(low=0, low_open=True))
 
     def __post_init__(self) -> None:
-        check_number(self.tis_cap, "algo.correction.tis_cap", low=0, low_open=True, hint="typical 2.0, or null")
-        check_number(self.mismatch_seq_upper, "algo.correction.mismatch_seq_upper", low=0, low_open=True)
-        check_number(self.mismatch_seq_lower, "algo.correction.mismatch_seq_lower", low=0, low_open=True)
-        check_number(self.decoupled_cap, "algo.correction.decoupled_cap", low=0, low_open=True)
+        check_ranges(self, "algo.correction")
         if self.mismatch_seq_lower is not None and self.mismatch_seq_upper is None:
             raise ConfigError("algo.correction.mismatch_seq_lower needs algo.correction.mismatch_seq_upper "
                               "(the masking is off without it)")
@@ -95,27 +90,26 @@ class CorrectionConfig:
 @dataclass(kw_only=True)
 class DapoConfig:
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal")
-    refill_rounds: int = _f(0, "extra sampling rounds to refill the batch with informative groups (0 = no refill)")
+    refill_rounds: int = _f(0, "extra sampling rounds to refill the batch with informative groups (0 = no refill)",
+                            check=Range(low=0))
     overlong_filter: bool = _f(False, "mask truncated responses out of the loss")
-    overlong_buffer_len: int = _f(0, "overlong reward shaping buffer (tokens); 0 = off")
-    overlong_penalty_factor: float = _f(1.0, "overlong penalty at the max length")
+    overlong_buffer_len: int = _f(0, "overlong reward shaping buffer (tokens); 0 = off", check=Range(low=0))
+    overlong_penalty_factor: float = _f(1.0, "overlong penalty at the max length", check=Range(low=0))
 
     def __post_init__(self) -> None:
-        check_number(self.refill_rounds, "algo.dapo.refill_rounds", low=0)
+        check_ranges(self, "algo.dapo")
         if self.refill_rounds and not self.dynamic_sampling:
             raise ConfigError("algo.dapo.refill_rounds needs algo.dapo.dynamic_sampling=true")
-        check_number(self.overlong_buffer_len, "algo.dapo.overlong_buffer_len", low=0)
-        check_number(self.overlong_penalty_factor, "algo.dapo.overlong_penalty_factor", low=0)
 
 
 @dataclass(kw_only=True)
 class ValueConfig:
     """The critic's value loss (``advantage.estimator=gae``)."""
 
-    cliprange: float = _f(0.2, "PPO value clip")
+    cliprange: float = _f(0.2, "PPO value clip", check=Range(low=0, low_open=True))
 
     def __post_init__(self) -> None:
-        check_number(self.cliprange, "algo.value.cliprange", low=0, low_open=True)
+        check_ranges(self, "algo.value")
 
 
 @dataclass(kw_only=True)
@@ -130,13 +124,13 @@ class AlgoConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     dapo: DapoConfig = field(default_factory=DapoConfig)
     value: ValueConfig = field(default_factory=ValueConfig)
-    router_aux_loss_coef: float = _f(0.0, "MoE: weight of the router load-balancing loss (0 = off)")
+    router_aux_loss_coef: float = _f(0.0, "MoE: weight of the router load-balancing loss (0 = off)", check=Range(low=0))
 
     def __post_init__(self) -> None:
         from hybridrl.algos import LOSS_AGG_MODES
         from hybridrl.config.presets import PRESETS
 
         check_choice(self.loss_agg_mode, LOSS_AGG_MODES, "algo.loss_agg_mode")
-        check_number(self.router_aux_loss_coef, "algo.router_aux_loss_coef", low=0)
+        check_ranges(self, "algo")
         if self.preset is not None:
             check_choice(self.preset, PRESETS, "algo.preset")

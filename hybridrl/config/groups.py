@@ -12,7 +12,7 @@ from typing import Any
 from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, PipelineConfig, RefitConfig,
                                  TrainerConfig, WarmStartConfig)
 from hybridrl.config.algo import AlgoConfig
-from hybridrl.config.base import ConfigError, _f, check_number, check_seed
+from hybridrl.config.base import SEED, ConfigError, Range, _f, check_ranges
 from hybridrl.config.model import ModelConfig
 from hybridrl.config.sampling import sampling_problem
 from hybridrl.quant.schemes import QUANTIZATIONS
@@ -27,42 +27,37 @@ class DataConfig:
     val_files: list[str] = _f([], "held-out prompts, same formats (default: 5% split of train)")
     prompt_key: str = _f("prompt", "column holding the prompt (text, or chat messages)")
     answer_key: str = _f("answer", "column holding the ground truth passed to the reward (optional)")
-    max_prompt_length: int = _f(64, "prompts longer than this (in tokens) are skipped and counted")
+    max_prompt_length: int = _f(64, "prompts longer than this (in tokens) are skipped and counted", check=Range(low=1))
     system_prompt: str | None = _f(None, "a system message prepended to chat prompts (a text prompt gets it as a "
                                          "first line); null = none")
     num_digits: int = _f(2, "arithmetic task: digits per operand")
     operations: str = _f("+", "arithmetic task: operators to draw from, any of '+-*'")
-    train_size: int = _f(20000, "arithmetic task: number of training prompts")
-    eval_size: int = _f(256, "held-out prompts for eval")
+    train_size: int = _f(20000, "arithmetic task: number of training prompts", check=Range(low=1))
+    eval_size: int = _f(256, "held-out prompts for eval", check=Range(low=0))
     teacher_carry_slip: float = _f(0.8, "arithmetic task: share of the warm start's addition demonstrations that "
                                         "carry whose teacher forgot the units carry (37+45=72): a systematic "
-                                        "error the exact-answer reward has to correct")
-    seed: int = _f(0, "seed for task generation and shuffling")
+                                        "error the exact-answer reward has to correct", check=Range(low=0, high=1))
+    seed: int = _f(0, "seed for task generation and shuffling", check=SEED)
     task: str = _f("arithmetic", "built-in task when no train_files: arithmetic (one answer per prompt) | "
                                  "calculator (a multi-turn agent with an add tool: needs env.name, see "
                                  "examples/calculator_agent.yaml)")
-    operand_digits: int = _f(7, "calculator task: digits of each number (and of their sum)")
+    operand_digits: int = _f(7, "calculator task: digits of each number (and of their sum)",
+                             check=Range(low=2, high=18))
     teacher_tool_rate: float = _f(0.25, "calculator task: share of the warm start's demonstrations that call the "
-                                        "add tool; the others answer at once with an estimate (always wrong)")
+                                        "add tool; the others answer at once with an estimate (always wrong)",
+                                  check=Range(low=0, high=1))
     teacher_tool_rate_big: float = _f(0.75, "calculator task: the same share for problems whose first number starts "
-                                            "with 7 or 8 (they look big)")
+                                            "with 7 or 8 (they look big)", check=Range(low=0, high=1))
 
     def __post_init__(self) -> None:
         if self.task not in ("arithmetic", "calculator"):
             raise ConfigError(f"data.task={self.task!r}: use arithmetic or calculator")
-        check_number(self.operand_digits, "data.operand_digits", low=2, high=18)
-        check_number(self.teacher_tool_rate, "data.teacher_tool_rate", low=0, high=1)
-        check_number(self.teacher_tool_rate_big, "data.teacher_tool_rate_big", low=0, high=1)
+        check_ranges(self, "data")
         bad = set(self.operations) - set("+-*")
         if bad or not self.operations:
             raise ConfigError(f"data.operations={self.operations!r}: use a non-empty subset of '+-*'")
         if not 1 <= self.num_digits <= 6:
             raise ConfigError(f"data.num_digits={self.num_digits}: use 1..6")
-        check_number(self.train_size, "data.train_size", low=1)
-        check_number(self.eval_size, "data.eval_size", low=0)
-        check_number(self.max_prompt_length, "data.max_prompt_length", low=1)
-        check_number(self.teacher_carry_slip, "data.teacher_carry_slip", low=0, high=1)
-        check_seed(self.seed, "data.seed")
 
 
 @dataclass(kw_only=True)
@@ -72,22 +67,20 @@ class RewardConfig:
         "exact_match", "reward: a built-in name (exact_match, last_number, gsm8k, math_verify, format), "
         "path/to/file.py:fn or module:fn, or a weighted list [{name: math_verify, weight: 1.0}, "
         "{name: format, weight: 0.1, pattern: ...}]")
-    timeout_s: float = _f(10.0, "a reward call running longer scores failure_reward and is counted as a failure")
-    workers: int = _f(4, "worker processes for user (untrusted) reward functions")
-    failure_reward: float = _f(0.0, "score of a sample whose reward call failed (raised, hung, bad value)")
+    timeout_s: float = _f(10.0, "a reward call running longer scores failure_reward and is counted as a failure",
+                          check=Range(low=0, low_open=True))
+    workers: int = _f(4, "worker processes for user (untrusted) reward functions", check=Range(low=1))
+    failure_reward: float = _f(0.0, "score of a sample whose reward call failed (raised, hung, bad value)",
+                               check=Range())
     memory_limit_mb: int | None = _f(None, "cap each reward worker's data memory (MB); a sample exceeding it fails; "
-                                           "null = no limit")
+                                           "null = no limit", check=Range(low=1))
     max_failure_rate: float | None = _f(0.9, "stop the run when at least this share of the last failure_window reward "
-                                             "calls failed (a broken reward); null = never stop")
-    failure_window: int = _f(24, "how many of the latest reward calls max_failure_rate judges")
+                                             "calls failed (a broken reward); null = never stop",
+                                        check=Range(low=0, low_open=True, high=1))
+    failure_window: int = _f(24, "how many of the latest reward calls max_failure_rate judges", check=Range(low=1))
 
     def __post_init__(self) -> None:
-        check_number(self.timeout_s, "reward.timeout_s", low=0, low_open=True)
-        check_number(self.max_failure_rate, "reward.max_failure_rate", low=0, low_open=True, high=1)
-        check_number(self.failure_window, "reward.failure_window", low=1)
-        check_number(self.workers, "reward.workers", low=1)
-        check_number(self.failure_reward, "reward.failure_reward")
-        check_number(self.memory_limit_mb, "reward.memory_limit_mb", low=1)
+        check_ranges(self, "reward")
         if isinstance(self.functions, list) and not self.functions:
             raise ConfigError("reward.functions=[]: give a reward name or at least one {name, weight} entry")
 
@@ -95,10 +88,11 @@ class RewardConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     n: int = _f(8, "samples per prompt (the GRPO group size)")
-    temperature: float = _f(1.0, "sampling temperature (log-probs are of the temperature-scaled distribution)")
+    temperature: float = _f(1.0, "sampling temperature (log-probs are of the temperature-scaled distribution)",
+                            check=Range(low=0))
     top_k: int = _f(-1, "top-k sampling; -1 = off")
     top_p: float = _f(1.0, "top-p (nucleus) sampling; 1.0 = off")
-    max_tokens: int = _f(8, "max new tokens per response")
+    max_tokens: int = _f(8, "max new tokens per response", check=Range(low=1, high=MAX_RESPONSE_TOKENS))
     quantization: str | None = _f(None, "rollout weights: null | fp8 | fp8_block (dense linears) | mxfp4 (MoE experts) "
                                         "| fp8+mxfp4 | fp8_block+mxfp4")
     enforce_eager: bool = _f(False, "disable CUDA-graph decode")
@@ -111,30 +105,30 @@ class RolloutConfig:
     kv_on_refit: str = _f("recompute", "requests in flight at a weight update: recompute their KV with the new "
                                        "weights (exact) | keep the old KV (an approximation; faster)")
     max_prefill_tokens: int = _f(2048, "built-in engine: new prompt tokens prefilled per scheduler step (decoding "
-                                       "rows are never starved by long prompts)")
+                                       "rows are never starved by long prompts)", check=Range(low=1))
     step_latency_ms: float = _f(0.0, "benchmarks: every engine step of a training rollout lasts at least this long "
                                      "(the rest slept), emulating the decode-step latency of a GPU cluster whose "
-                                     "generation bounds the step; 0 = off")
+                                     "generation bounds the step; 0 = off", check=Range(low=0))
     prefix_cache_mb: int = _f(256, "built-in engine: memory for retained conversation prefixes (multi-turn "
-                                   "requests continue without re-prefill; least recently used evicted)")
+                                   "requests continue without re-prefill; least recently used evicted)",
+                              check=Range(low=0))
     kv_cache_mb: int = _f(0, "built-in engine: KV-cache budget in MiB; 0 = a row for every response of a step (up "
                              "to 256), else only the rows whose cache fits (each holds a prompt + rollout.max_tokens) "
-                             "and the other responses wait for a free row")
+                             "and the other responses wait for a free row", check=Range(low=0))
     lora_mode: str = _f("adapter", "with model.lora: adapter (the engine keeps the base weights and applies the "
                                    "adapter; a refit sends A/B only) | merged (a refit sends W + scale*B*A of the "
                                    "targeted weights only; needed with quantized rollout weights)")
     tensor_parallel_size: int = _f(1, "built-in engine: ranks that hold one engine between them (Megatron layout: "
                                       "heads, MLP and expert widths, vocabulary split); the world's ranks form "
-                                      "world / T generation groups, each serving its ranks' prompts")
+                                      "world / T generation groups, each serving its ranks' prompts",
+                                   check=Range(low=1))
     exact: bool = _f(False, "sample with the trainer's own modules under batch-invariant numerics: the rollout "
                             "log-probs are bitwise the trainer's, the old-log-prob pass is skipped (docs/exact.md)")
     exact_recompute: bool = _f(False, "with rollout.exact: run the old-log-prob pass anyway and fail the step if "
                                       "it differs from the rollout's by one bit (a check, not needed)")
 
     def __post_init__(self) -> None:
-        check_number(self.temperature, "rollout.temperature", low=0)
-        check_number(self.max_tokens, "rollout.max_tokens", low=1, high=MAX_RESPONSE_TOKENS)
-        check_number(self.step_latency_ms, "rollout.step_latency_ms", low=0)
+        check_ranges(self, "rollout")
         problem = sampling_problem(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                    max_tokens=self.max_tokens, n=self.n)  # the engines' own rule
         if problem is not None:
@@ -151,10 +145,6 @@ class RolloutConfig:
                               "rollout.backend=vllm use null or fp8")
         if self.kv_on_refit not in ("recompute", "keep"):
             raise ConfigError(f"rollout.kv_on_refit={self.kv_on_refit!r}: use recompute (exact) or keep")
-        check_number(self.max_prefill_tokens, "rollout.max_prefill_tokens", low=1)
-        check_number(self.prefix_cache_mb, "rollout.prefix_cache_mb", low=0)
-        check_number(self.tensor_parallel_size, "rollout.tensor_parallel_size", low=1)
-        check_number(self.kv_cache_mb, "rollout.kv_cache_mb", low=0)
         if self.kv_cache_mb and (self.backend == "vllm" or self.exact):
             raise ConfigError(f"rollout.kv_cache_mb={self.kv_cache_mb} sizes the built-in engine's static KV cache; "
                               f"with rollout.{'backend=vllm' if self.backend == 'vllm' else 'exact'} leave it at 0")
@@ -167,32 +157,29 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    lr: float = _f(1e-4, "RL learning rate (AdamW)")
-    critic_lr: float = _f(1e-3, "critic learning rate (gae only)")
+    lr: float = _f(1e-4, "RL learning rate (AdamW)", check=Range(low=0, low_open=True))
+    critic_lr: float = _f(1e-3, "critic learning rate (gae only)", check=Range(low=0, low_open=True))
     betas: list[float] = _f([0.9, 0.99], "AdamW betas")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    warmup_steps: int = _f(5, "linear warm-up steps of the RL learning rate")
-    grad_clip: float = _f(1.0, "max gradient norm")
+    weight_decay: float = _f(0.0, "AdamW weight decay", check=Range(low=0))
+    warmup_steps: int = _f(5, "linear warm-up steps of the RL learning rate", check=Range(low=0))
+    grad_clip: float = _f(1.0, "max gradient norm", check=Range(low=0, low_open=True))
 
     def __post_init__(self) -> None:
-        for key in ("lr", "critic_lr", "grad_clip"):
-            check_number(getattr(self, key), f"optim.{key}", low=0, low_open=True)
-        check_number(self.weight_decay, "optim.weight_decay", low=0)
-        check_number(self.warmup_steps, "optim.warmup_steps", low=0)
+        check_ranges(self, "optim")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optim.betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.99]")
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    k: int = _f(8, "also report pass@k and maj@k from k samples per held-out prompt (0 = greedy accuracy only)")
-    temperature: float = _f(1.0, "sampling temperature of the pass@k / maj@k samples")
-    seed: int = _f(1234, "seed of the eval samples (an eval never draws from the training RNG streams)")
+    k: int = _f(8, "also report pass@k and maj@k from k samples per held-out prompt (0 = greedy accuracy only)",
+                check=Range(low=0, high=1024))
+    temperature: float = _f(1.0, "sampling temperature of the pass@k / maj@k samples",
+                            check=Range(low=0, low_open=True))
+    seed: int = _f(1234, "seed of the eval samples (an eval never draws from the training RNG streams)", check=SEED)
 
     def __post_init__(self) -> None:
-        check_number(self.k, "eval.k", low=0, high=1024)
-        check_number(self.temperature, "eval.temperature", low=0, low_open=True)
-        check_seed(self.seed, "eval.seed")
+        check_ranges(self, "eval")
 
 
 @dataclass(kw_only=True)
@@ -207,33 +194,30 @@ class EnvConfig:
     name: str | None = _f(None, "multi-turn agent: an environment class (reset/step) or a tools class (its public "
                                 "methods are the tools, the answer scored by reward.functions): "
                                 "path/to/env.py:ClassName or module:ClassName; null = one answer per prompt")
-    max_turns: int = _f(8, "sampled turns per episode")
-    max_tool_calls: int = _f(4, "tool calls per turn (more are answered with an error)")
-    tool_response_tokens: int = _f(256, "a tool message longer than this is cut in the middle, with a marker")
-    context_tokens: int = _f(1024, "tokens per episode (prompt, turns, tool messages); the episode ends truncated")
-    timeout_s: float = _f(10.0, "seconds per environment / tool call (in a worker process)")
-    workers: int = _f(2, "worker processes for environment and tool calls")
-    memory_limit_mb: int | None = _f(None, "memory cap of each worker; null = none")
+    max_turns: int = _f(8, "sampled turns per episode", check=Range(low=1))
+    max_tool_calls: int = _f(4, "tool calls per turn (more are answered with an error)", check=Range(low=1))
+    tool_response_tokens: int = _f(256, "a tool message longer than this is cut in the middle, with a marker",
+                                   check=Range(low=8))
+    context_tokens: int = _f(1024, "tokens per episode (prompt, turns, tool messages); the episode ends truncated",
+                             check=Range(low=16))
+    timeout_s: float = _f(10.0, "seconds per environment / tool call (in a worker process)",
+                          check=Range(low=0, low_open=True))
+    workers: int = _f(2, "worker processes for environment and tool calls", check=Range(low=1))
+    memory_limit_mb: int | None = _f(None, "memory cap of each worker; null = none",
+                                     check=Range(low=1, hint="or null for no limit"))
     parser: str = _f("hermes", "tool-call format: hermes (<tool_call>{json}</tool_call>) or path/to/file.py:fn")
     system_prompt: str | None = _f(None, "a system message opening every episode")
-    discount: float = _f(1.0, "environment turn rewards: 1 = summed, < 1 = discounted from the last turn back")
+    discount: float = _f(1.0, "environment turn rewards: 1 = summed, < 1 = discounted from the last turn back",
+                         check=Range(low=0, high=1))
     overlap: bool = _f(True, "environment / tool calls run beside decoding (an episode waiting for its tool does not "
                              "hold the engine's step; episodes then continue in the order their tools finish) | "
                              "false: the turns that finished at an engine step are answered before the next step "
                              "(reproducible bit for bit, tool time not hidden)")
     latency_ms: float = _f(0.0, "benchmarks: every environment / tool call lasts at least this long (the rest slept), "
-                                "emulating slow tools (search, code execution); 0 = off")
+                                "emulating slow tools (search, code execution); 0 = off", check=Range(low=0))
 
     def __post_init__(self) -> None:
-        check_number(self.max_turns, "env.max_turns", low=1)
-        check_number(self.max_tool_calls, "env.max_tool_calls", low=1)
-        check_number(self.tool_response_tokens, "env.tool_response_tokens", low=8)
-        check_number(self.context_tokens, "env.context_tokens", low=16)
-        check_number(self.timeout_s, "env.timeout_s", low=0, low_open=True)
-        check_number(self.workers, "env.workers", low=1)
-        check_number(self.memory_limit_mb, "env.memory_limit_mb", low=1, hint="or null for no limit")
-        check_number(self.discount, "env.discount", low=0, high=1)
-        check_number(self.latency_ms, "env.latency_ms", low=0)
+        check_ranges(self, "env")
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridrl.config.base import ConfigError, _f, check_number
+from hybridrl.config.base import ConfigError, Range, _f, check_ranges
 
 BUILTIN_ARCHS = ("qwen2", "deepseek_v3", "deepseek_v4")
 
@@ -21,9 +21,11 @@ LORA_INITS = ("zeros", "gaussian")
 
 @dataclass(kw_only=True)
 class LoRAConfig:
-    rank: int = _f(0, "LoRA rank of the RL policy's adapters (peft); 0 = full fine-tuning")
-    alpha: float = _f(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank")
-    dropout: float = _f(0.0, "dropout on the adapters' input in the trainer (the engine never drops)")
+    rank: int = _f(0, "LoRA rank of the RL policy's adapters (peft); 0 = full fine-tuning", check=Range(low=0))
+    alpha: float = _f(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank",
+                      check=Range(low=0, low_open=True))
+    dropout: float = _f(0.0, "dropout on the adapters' input in the trainer (the engine never drops)",
+                        check=Range(low=0, high=1))
     target_modules: list[str] = _f(list(DEFAULT_LORA_TARGETS),
                                    "nn.Linear modules that get adapters: name suffixes as peft matches them "
                                    "(attention and dense / shared-expert MLP projections by default; MoE routed "
@@ -40,9 +42,7 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     def __post_init__(self) -> None:
-        check_number(self.rank, "model.lora.rank", low=0)
-        check_number(self.alpha, "model.lora.alpha", low=0, low_open=True)
-        check_number(self.dropout, "model.lora.dropout", low=0, high=1)
+        check_ranges(self, "model.lora")
         if self.init not in LORA_INITS:
             raise ConfigError(f"model.lora.init={self.init!r}: use one of {', '.join(LORA_INITS)}")
         if self.rank and (not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules)):
@@ -56,11 +56,11 @@ class ModelConfig:
     arch: str = _f("qwen2", "built-in model's family: qwen2 (GQA, dense) | deepseek_v3 (multi-head latent "
                             "attention + DeepSeekMoE, the DeepSeek-V3/R1, Kimi-K2 architecture) | deepseek_v4 "
                             "(compressed sparse attention, hyper-connections; rollout routing replay not yet)")
-    hidden_size: int = _f(128, "built-in model: hidden size")
-    num_hidden_layers: int = _f(2, "built-in model: decoder layers")
-    num_attention_heads: int = _f(4, "built-in model: attention heads")
-    num_key_value_heads: int = _f(2, "built-in model: KV heads (GQA)")
-    intermediate_size: int = _f(512, "built-in model: MLP width")
+    hidden_size: int = _f(128, "built-in model: hidden size", check=Range(low=1))
+    num_hidden_layers: int = _f(2, "built-in model: decoder layers", check=Range(low=1))
+    num_attention_heads: int = _f(4, "built-in model: attention heads", check=Range(low=1))
+    num_key_value_heads: int = _f(2, "built-in model: KV heads (GQA)", check=Range(low=1))
+    intermediate_size: int = _f(512, "built-in model: MLP width", check=Range(low=1))
     # Untied by default: with a 19-token vocabulary, tying makes every lm_head update move
     # the operand embeddings too; measured, untied reaches 98% after the same warm start
     # that gets a tied model to 61%.
@@ -81,9 +81,7 @@ class ModelConfig:
         if self.arch not in BUILTIN_ARCHS:
             raise ConfigError(f"model.arch={self.arch!r} is not a built-in model; use one of {BUILTIN_ARCHS} "
                               "(or model.path for a checkpoint)")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "intermediate_size"):
-            check_number(getattr(self, key), f"model.{key}", low=1)
+        check_ranges(self, "model")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model.num_attention_heads must be a multiple of model.num_key_value_heads")
         if self.hidden_size % self.num_attention_heads:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 TOOL = "add"
@@ -84,19 +85,22 @@ def calculator_splits(*, digits: int, train_size: int, eval_size: int, seed: int
         return make_calc_example(rng, digits, tool_rate, tool_rate_big)
 
     seen: set[str] = set()
-    evals: list[CalcExample] = []
-    for _ in range(50 * max(1, eval_size)):
-        if len(evals) >= eval_size:
-            break
-        ex = draw()
-        if ex.prompt not in seen:
-            seen.add(ex.prompt)
-            evals.append(ex)
-    train: list[CalcExample] = []
-    for _ in range(50 * max(1, train_size)):
-        if len(train) >= train_size:
-            break
-        ex = draw()
-        if ex.prompt not in seen:
-            train.append(ex)
+    evals = _draw_unseen(draw, eval_size, seen, remember=True)  # distinct prompts
+    train = _draw_unseen(draw, train_size, seen, remember=False)  # may repeat among themselves
     return train, evals
+
+
+def _draw_unseen(draw: Callable[[], CalcExample], size: int, seen: set[str], *,
+                 remember: bool) -> list[CalcExample]:
+    """Up to ``size`` drawn examples whose prompt is not in ``seen`` (at most ``50 * size``
+    draws); with ``remember``, each kept prompt joins ``seen``."""
+    out: list[CalcExample] = []
+    for _ in range(50 * max(1, size)):
+        if len(out) >= size:
+            break
+        ex = draw()
+        if ex.prompt not in seen:
+            if remember:
+                seen.add(ex.prompt)
+            out.append(ex)
+    return out

@@ -101,10 +101,9 @@ def quantize_(src: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, b
             s = _pow2_(_block_stripe_scale(y), pow2)  # (1, ceil(K/128))
             scale[r0 // BLOCK].copy_(s[0])
             s = s.repeat_interleave(BLOCK, dim=1)[:, :n_cols]  # (1, K)
+            y.div_(s).clamp_(-FP8_MAX, FP8_MAX)
         else:
-            s = _pow2_(y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX), pow2)  # (R, 1)
-            scale[r0:r1].copy_(s)
-        y.div_(s).clamp_(-FP8_MAX, FP8_MAX)
+            _scale_rows_(y, scale[r0:r1], pow2)
         weight[r0:r1].copy_(y)  # fp32 -> e4m3fn, round to nearest even
 
 
@@ -134,6 +133,14 @@ def _dequantize_native(weight: torch.Tensor, scale: torch.Tensor, out: torch.Ten
             out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0))
     native.run_split(lib.hrl_dequantize, n_rows, n_cols, lambda fn, a, b: fn(*head, a, b, n_cols))
     return True
+
+
+def _scale_rows_(y: torch.Tensor, scale_rows: torch.Tensor, pow2: bool) -> None:
+    """Per channel, both paths: ``y (R, K)`` fp32 divided in place by its row scales (clamped to
+    +-448, ready for the cast), which are written to ``scale_rows (R, 1)``."""
+    s = _pow2_(y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX), pow2)  # (R, 1)
+    scale_rows.copy_(s)
+    y.div_(s).clamp_(-FP8_MAX, FP8_MAX)
 
 
 def _block_stripe_scale(y: torch.Tensor) -> torch.Tensor:
@@ -244,9 +251,7 @@ def _quantize_vectorized(src: torch.Tensor, weight: torch.Tensor, scale: torch.T
             tiles.div_(s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
             y = padded[:r1 - r0, :n_cols]
         else:
-            s = _pow2_(y.abs().amax(dim=1, keepdim=True).clamp_(min=TINY).div_(FP8_MAX), pow2)  # (R, 1)
-            scale[r0:r1].copy_(s)
-            y.div_(s).clamp_(-FP8_MAX, FP8_MAX)
+            _scale_rows_(y, scale[r0:r1], pow2)
         weight[r0:r1].copy_(y)  # fp32 -> e4m3fn, round to nearest even
 
 

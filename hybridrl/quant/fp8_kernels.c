@@ -112,18 +112,12 @@ static inline void store_codes_x32(__m256i r0, __m256i r1, __m256i r2, __m256i r
     _mm256_storeu_si256((__m256i *)q, bytes);
 }
 
-static inline void quantize_bf16x32_avx2(const uint16_t *x, uint8_t *q, __m256 s) {
-    store_codes_x32(e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x), s)),
-                    e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 8), s)),
-                    e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 16), s)),
-                    e4m3fn_codes_avx2(quantize_clamped_avx2(bf16x8_to_f32(x + 24), s)), q);
-}
-
-static inline void quantize_f32x32_avx2(const float *x, uint8_t *q, __m256 s) {
-    store_codes_x32(e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x), s)),
-                    e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x + 8), s)),
-                    e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x + 16), s)),
-                    e4m3fn_codes_avx2(quantize_clamped_avx2(_mm256_loadu_ps(x + 24), s)), q);
+/* 32 source values, 4 x 8 lanes already float32 -> 32 e4m3fn bytes of clamp(x / s). */
+static inline void quantize_x32_avx2(__m256 x0, __m256 x1, __m256 x2, __m256 x3, uint8_t *q, __m256 s) {
+    store_codes_x32(e4m3fn_codes_avx2(quantize_clamped_avx2(x0, s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(x1, s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(x2, s)),
+                    e4m3fn_codes_avx2(quantize_clamped_avx2(x3, s)), q);
 }
 
 static inline __m256 e4m3fnx8_to_f32(const uint8_t *q) {
@@ -144,34 +138,49 @@ static inline __m256i f32x8_to_bf16_bits(__m256 v) {
     return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
 }
 
-/* 16 e4m3fn bytes -> 16 bf16 (value * s). */
-static inline void dequantize_bf16x16_avx2(const uint8_t *q, uint16_t *o, __m256 s) {
-    __m256i lo = f32x8_to_bf16_bits(_mm256_mul_ps(e4m3fnx8_to_f32(q), s));
-    __m256i hi = f32x8_to_bf16_bits(_mm256_mul_ps(e4m3fnx8_to_f32(q + 8), s));
-    __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
-    _mm256_storeu_si256((__m256i *)o, w);
+/* 16 float32 values (two halves of 8 lanes) stored as float32 / as bf16, in order. */
+static inline void store_f32x16(float *o, __m256 lo, __m256 hi) {
+    _mm256_storeu_ps(o, lo);
+    _mm256_storeu_ps(o + 8, hi);
+}
+
+static inline void store_bf16x16(uint16_t *o, __m256 lo, __m256 hi) {
+    __m256i w = _mm256_packus_epi32(f32x8_to_bf16_bits(lo), f32x8_to_bf16_bits(hi));
+    _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(w, 0xD8));  /* packs work per 128-bit lane */
 }
 #endif
 
 static inline float clamp_fp8(float y) { return y < -FP8_MAX ? -FP8_MAX : (y > FP8_MAX ? FP8_MAX : y); }
 
-static inline void quantize_f32(const float *restrict x, uint8_t *restrict q, int64_t n, float s) {
-    int64_t c = 0;
+/* NAME(x, y, n, s): y[c] = ELEMENT for a run of n elements, the scale s (vs in every AVX2 lane).
+ * AVX2 STEPs of WIDTH elements go as far as they can, then one element at a time: both give
+ * bitwise the same results, so where the split falls does not matter. The two source types of
+ * quantize_ differ only in how an element becomes float32 (bf16 -> float32 is exact), the two
+ * output types of dequantize_ only in the final cast. */
 #if defined(__AVX2__)
-    __m256 vs = _mm256_set1_ps(s);
-    for (; c + 32 <= n; c += 32) quantize_f32x32_avx2(x + c, q + c, vs);
+#define AVX2_STEPS(WIDTH, STEP) for (__m256 vs = _mm256_set1_ps(s); c + (WIDTH) <= n; c += (WIDTH)) STEP;
+#else
+#define AVX2_STEPS(WIDTH, STEP)
 #endif
-    for (; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(x[c] / s));
-}
+#define DEFINE_RUN(NAME, IN_T, OUT_T, WIDTH, STEP, ELEMENT)                                  \
+    static inline void NAME(const IN_T *restrict x, OUT_T *restrict y, int64_t n, float s) { \
+        int64_t c = 0;                                                                       \
+        AVX2_STEPS(WIDTH, STEP)                                                              \
+        for (; c < n; c++) y[c] = ELEMENT;                                                   \
+    }
 
-static inline void quantize_bf16(const uint16_t *restrict x, uint8_t *restrict q, int64_t n, float s) {
-    int64_t c = 0;
-#if defined(__AVX2__)
-    __m256 vs = _mm256_set1_ps(s);
-    for (; c + 32 <= n; c += 32) quantize_bf16x32_avx2(x + c, q + c, vs);
-#endif
-    for (; c < n; c++) q[c] = f32_to_e4m3fn(clamp_fp8(u2f((uint32_t)x[c] << 16) / s));
-}
+/* quantize: e4m3fn(clamp(x / s)) */
+#define QUANTIZE_X32(LOAD8) \
+    quantize_x32_avx2(LOAD8(x + c), LOAD8(x + c + 8), LOAD8(x + c + 16), LOAD8(x + c + 24), y + c, vs)
+DEFINE_RUN(quantize_f32, float, uint8_t, 32, QUANTIZE_X32(_mm256_loadu_ps), f32_to_e4m3fn(clamp_fp8(x[c] / s)))
+DEFINE_RUN(quantize_bf16, uint16_t, uint8_t, 32, QUANTIZE_X32(bf16x8_to_f32),
+           f32_to_e4m3fn(clamp_fp8(u2f((uint32_t)x[c] << 16) / s)))
+
+/* dequantize: out_dtype((float32)x * s) */
+#define DEQUANTIZE_X16(STORE16) \
+    STORE16(y + c, _mm256_mul_ps(e4m3fnx8_to_f32(x + c), vs), _mm256_mul_ps(e4m3fnx8_to_f32(x + c + 8), vs))
+DEFINE_RUN(dequantize_f32, uint8_t, float, 16, DEQUANTIZE_X16(store_f32x16), e4m3fn_to_f32(x[c]) * s)
+DEFINE_RUN(dequantize_bf16, uint8_t, uint16_t, 16, DEQUANTIZE_X16(store_bf16x16), f32_to_bf16(e4m3fn_to_f32(x[c]) * s))
 
 static inline float amax_any(const void *src, int src_bf16, int64_t off, int64_t n) {
     return src_bf16 ? amax_bf16((const uint16_t *)src + off, n) : amax_f32((const float *)src + off, n);
@@ -220,24 +229,6 @@ void hrl_quantize_block(const void *src, int src_bf16, int64_t src_stride, uint8
                 quantize_any(src, src_bf16, r * src_stride + c0, dst + r * dst_stride + c0, n, s_row[j]);
             }
     }
-}
-
-static inline void dequantize_f32(const uint8_t *restrict q, float *restrict o, int64_t n, float s) {
-    int64_t c = 0;
-#if defined(__AVX2__)
-    __m256 vs = _mm256_set1_ps(s);
-    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(e4m3fnx8_to_f32(q + c), vs));
-#endif
-    for (; c < n; c++) o[c] = e4m3fn_to_f32(q[c]) * s;
-}
-
-static inline void dequantize_bf16(const uint8_t *restrict q, uint16_t *restrict o, int64_t n, float s) {
-    int64_t c = 0;
-#if defined(__AVX2__)
-    __m256 vs = _mm256_set1_ps(s);
-    for (; c + 16 <= n; c += 16) dequantize_bf16x16_avx2(q + c, o + c, vs);
-#endif
-    for (; c < n; c++) o[c] = f32_to_bf16(e4m3fn_to_f32(q[c]) * s);
 }
 
 /* Dequantize rows [r0, r1): out[r, c] = (float)w[r, c] * scale, scale per channel
