@@ -95,13 +95,13 @@ def _rank(rank: int, world: int, port: int, quick: bool, repeats: int, bucket: i
 
 def _largest_layers(budget: int, tp: int, engine_only: bool) -> int:
     """Most layers of a Qwen2.5-7B-shaped model whose plan fits ``budget`` bytes per rank (2 ranks, bf16)."""
-    from hybridrl.distributed.plan import QWEN25_SHAPES, plan_memory
+    from hybridrl.distributed.plan import QWEN25_SHAPES, EngineLoad, plan_memory
     from transformers import Qwen2Config
 
     def fits(layers: int) -> bool:
         cfg = Qwen2Config(max_position_embeddings=4096, **{**QWEN25_SHAPES["qwen2.5-7b"], "num_hidden_layers": layers})
-        p = plan_memory(cfg, world_size=2, trainer_dtype=torch.bfloat16, engine_dtype=torch.bfloat16,
-                        quantization=None, batch=64, seq_len=1024, bucket_bytes=64 << 20, tensor_parallel_size=tp)
+        p = plan_memory(cfg, world_size=2, trainer_dtype=torch.bfloat16, bucket_bytes=64 << 20,
+                        engine=EngineLoad(dtype=torch.bfloat16, batch=64, seq_len=1024, tensor_parallel_size=tp))
         return (p.engine_weights if engine_only else p.total) <= budget
 
     lo, hi = 0, 1

@@ -109,11 +109,26 @@ def kv_cache_bytes(hf_config, *, batch: int, seq_len: int, dtype: torch.dtype, t
     return batch * memory.cache_row(seq_len)
 
 
-def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, engine_dtype: torch.dtype,
-                quantization: str | None, batch: int, seq_len: int, bucket_bytes: int,
-                tensor_parallel_size: int = 1) -> MemoryPlan:
-    """Shard a meta-device copy of the model over a fake group of ``world_size`` ranks;
-    ``batch``: one rank's rows (a TP group's engine serves ``batch x T``)."""
+@dataclass(frozen=True, kw_only=True)
+class EngineLoad:
+    """What one rank's rollout engine is planned to hold."""
+
+    dtype: torch.dtype
+    """the engine's weight and activation dtype."""
+    quantization: str | None = None
+    """the engine's weight quantization (None, "fp8", ...)."""
+    batch: int
+    """one rank's rows (a tensor-parallel group's engine serves ``batch x tensor_parallel_size``)."""
+    seq_len: int
+    """prompt + response tokens of one row."""
+    tensor_parallel_size: int = 1
+    """ranks of a generation group (1: every rank holds the whole model)."""
+
+
+def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, bucket_bytes: int,
+                engine: EngineLoad) -> MemoryPlan:
+    """Shard a meta-device copy of the model over a fake group of ``world_size`` ranks (the
+    trainer's share in ``trainer_dtype``), count ``engine`` and a refit of ``bucket_bytes``."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
@@ -132,12 +147,12 @@ def plan_memory(hf_config, *, world_size: int, trainer_dtype: torch.dtype, engin
     finally:
         if owns_group:
             dist.destroy_process_group()
-    T = tensor_parallel_size
+    T = engine.tensor_parallel_size
     return MemoryPlan(world_size=world_size, params=local, grads=local, optimizer=moments,
-                      engine_weights=engine_bytes(hf_config, dtype=engine_dtype, quantization=quantization,
+                      engine_weights=engine_bytes(hf_config, dtype=engine.dtype, quantization=engine.quantization,
                                                   tensor_parallel_size=T),
-                      kv_cache=kv_cache_bytes(hf_config, batch=batch * T, seq_len=seq_len, dtype=engine_dtype,
-                                              tensor_parallel_size=T),
+                      kv_cache=kv_cache_bytes(hf_config, batch=engine.batch * T, seq_len=engine.seq_len,
+                                              dtype=engine.dtype, tensor_parallel_size=T),
                       refit=bucket_bytes + -(-largest // T), tensor_parallel_size=T)
 
 

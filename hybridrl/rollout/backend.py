@@ -58,6 +58,9 @@ class EngineSpec:
     lora: Any = None
     """an ``AdapterSpec`` (``layers/lora_adapter.py``): the LoRA adapters the engine applies
     over its base weights (``rollout.lora_mode=adapter``); None: plain weights."""
+    compile_decode: bool = False
+    """built-in engine: ``torch.compile`` its eager decode step (CPU, or CUDA with
+    ``enforce_eager``); the vLLM backend refuses it (vLLM compiles by its own settings)."""
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_seq_len < 2:

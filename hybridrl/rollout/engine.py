@@ -23,7 +23,7 @@ import torch
 
 from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests, next_weight_version
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
-from hybridrl.rollout.layers.quantization import get_linear_method
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.core.memory import EngineMemory, check_fits
 from hybridrl.rollout.model_config import parse_hf_config
@@ -50,13 +50,13 @@ class RolloutEngine(WeightUpdateBracket):
     takes_tp_slices = True  # a tensor-parallel shard loads exactly its slices (FSDP -> TP refit)
 
     def __init__(self, hf_config: Any, spec: EngineSpec, *, enforce_eager: bool = False,
-                 compile_decode: bool = False, record_routing: bool = False, kv_on_refit: str = "recompute",
+                 record_routing: bool = False, kv_on_refit: str = "recompute",
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tensor_parallel: TensorParallel = SINGLE):
         """``hf_config``: a transformers config (or a checkpoint directory to read it from);
-        ``spec``: capacity and numerics (quantization: None, "fp8", "fp8_block", "mxfp4").
-        ``enforce_eager``: no CUDA graphs; ``compile_decode``: torch.compile the eager decode
-        step; ``record_routing``: record MoE routing for replay in the trainer.
+        ``spec``: capacity and numerics (quantization: None, "fp8", "fp8_block", "mxfp4"), and
+        ``spec.compile_decode``: torch.compile the eager decode step.
+        ``enforce_eager``: no CUDA graphs; ``record_routing``: record MoE routing for replay in the trainer.
         ``kv_on_refit``: in-flight requests after a weight update: "recompute" their KV
         (exact) or "keep" it (approximate); ``max_prefill_tokens``: new prompt tokens
         prefilled per step; ``prefix_cache_bytes``: budget of retained conversation KV.
@@ -82,9 +82,9 @@ class RolloutEngine(WeightUpdateBracket):
         check_fits(self.memory, self.max_batch_size, self.max_seq_len, self.device)
         self.model = build_model(self.config, spec.quantization, self.max_seq_len, self.dtype, self.device,
                                  tensor_parallel)
-        # compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
+        # spec.compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
         self.runner = ModelRunner(self.model, self.max_batch_size, self.max_seq_len, self.dtype, self.device,
-                                  compile_decode)
+                                  spec.compile_decode)
         # MoE: record every token's experts for routing replay in the trainer (before any
         # graph capture, so captured decode steps write the record buffers too)
         self.routing_recorder = None
@@ -95,7 +95,7 @@ class RolloutEngine(WeightUpdateBracket):
         if spec.lora is not None:  # LoRA adapters in the layers they target, then routes that include them
             from hybridrl.rollout.layers.lora_adapter import attach_adapters
 
-            attach_adapters(self.model, WeightRoutes(self.model), spec.lora, self.dtype)
+            attach_adapters(self.model, WeightRoutes(self.model), spec.lora)
         self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
         self._update = WeightUpdate(self.model, self.weight_routes)
         self._weight_version = 0  # written only by _commit_weight_update (and load_state_dict)
@@ -263,10 +263,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def build_model(config, quantization: str | None, max_seq_len: int, dtype: torch.dtype, device,
                 tensor_parallel: TensorParallel = SINGLE) -> torch.nn.Module:
     """The engine's model for a parsed ``ModelConfig``: DeepSeek-V4's decoder or the shared one
-    (``hybridrl plan`` builds the same on the meta device to count its weights)."""
+    (``hybridrl plan`` builds the same on the meta device to count its weights), over the one
+    ``LayerContext`` every layer of it is built with (``layers/context.py``)."""
+    ctx = LayerContext.for_quantization(quantization, dtype=dtype, device=device, tp=tensor_parallel)
     if config.v4 is not None:
         from hybridrl.rollout.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
-        return DeepseekV4ForCausalLM(config, config.v4, get_linear_method(quantization), max_seq_len, dtype, device,
-                                     tp=tensor_parallel)
-    return DecoderForCausalLM(config, get_linear_method(quantization), max_seq_len, dtype, device, tp=tensor_parallel)
+        return DeepseekV4ForCausalLM(config, config.v4, max_seq_len, ctx)
+    return DecoderForCausalLM(config, max_seq_len, ctx)

@@ -107,6 +107,9 @@ class VllmEngine(WeightUpdateBracket):
         if spec.lora is not None and kv_on_refit != "recompute":
             raise ValueError("VllmEngine: LoRA adapter mode needs kv_on_refit=recompute (requests kept across "
                              "a refit would hold the removed adapter id); use rollout.lora_mode=merged")
+        if spec.compile_decode:
+            raise ValueError("VllmEngine: EngineSpec.compile_decode is the built-in engine's; vLLM compiles by its "
+                             "own compilation_config (pass it as an llm_kwargs keyword)")
         tp_size = 1 if tensor_parallel is None else tensor_parallel.size
         vllm_quantization(spec.quantization, spec.dtype, torch.device(spec.device).type == "cpu")  # one line, first
         if spec.dtype not in VLLM_DTYPES:

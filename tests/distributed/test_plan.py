@@ -13,7 +13,7 @@ import _workers
 
 
 def test_plan_matches_two_real_ranks(tmp_path):
-    from hybridrl.distributed.plan import plan_memory
+    from hybridrl.distributed.plan import EngineLoad, plan_memory
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -22,8 +22,8 @@ def test_plan_matches_two_real_ranks(tmp_path):
     mp.spawn(_workers.measured_state_bytes, args=(2, port, out), nprocs=2, join=True)
     measured = [torch.load(f"{out}.{r}") for r in range(2)]
     cfg = _workers.small_model(hidden=256, vocab=1024, layers=3).config
-    plan = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, engine_dtype=torch.float32,
-                       quantization=None, batch=4, seq_len=16, bucket_bytes=1 << 20)
+    plan = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, bucket_bytes=1 << 20,
+                       engine=EngineLoad(dtype=torch.float32, batch=4, seq_len=16))
     for m in measured:  # rank 0 holds the larger share when rows do not split evenly
         for key in ("params", "grads", "optimizer"):
             assert abs(getattr(plan, key) - m[key]) <= 0.10 * m[key], (key, getattr(plan, key), m[key])
@@ -44,7 +44,7 @@ def test_plan_per_tensor_parallel_rank_is_the_engines_own_shard():
     matches what a real TP=2 engine holds (the 2-rank test measures the same model)."""
     import transformers
 
-    from hybridrl.distributed.plan import engine_bytes, plan_memory
+    from hybridrl.distributed.plan import EngineLoad, engine_bytes, plan_memory
 
     cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -52,10 +52,10 @@ def test_plan_per_tensor_parallel_rank_is_the_engines_own_shard():
     whole = engine_bytes(cfg, dtype=torch.float32, quantization=None)
     half = engine_bytes(cfg, dtype=torch.float32, quantization=None, tensor_parallel_size=2)
     assert 0.5 * whole < half <= 0.55 * whole  # every split layer halves; norms (and rank 0's padded vocabulary row) whole
-    one = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, engine_dtype=torch.float32, quantization=None,
-                      batch=4, seq_len=16, bucket_bytes=1 << 20)
-    two = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, engine_dtype=torch.float32, quantization=None,
-                      batch=4, seq_len=16, bucket_bytes=1 << 20, tensor_parallel_size=2)
+    one = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, bucket_bytes=1 << 20,
+                      engine=EngineLoad(dtype=torch.float32, batch=4, seq_len=16))
+    two = plan_memory(cfg, world_size=2, trainer_dtype=torch.float32, bucket_bytes=1 << 20,
+                      engine=EngineLoad(dtype=torch.float32, batch=4, seq_len=16, tensor_parallel_size=2))
     assert two.engine_weights == half and two.params == one.params  # the trainer's FSDP shard is unchanged
     assert two.kv_cache == one.kv_cache  # the group serves 2x the rows over half the KV heads
     assert "generation as 1 x TP 2" in two.table() and "TP shard, 1/2" in two.table()

@@ -17,6 +17,7 @@ import transformers
 from hybridrl.refit.transport import named_trainer_tensors
 from hybridrl.rollout.models.deepseek_v4.config import v4_model_config
 from hybridrl.rollout.model_config import ModelConfig, parse_hf_config
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.linear_method import UnquantizedLinearMethod
 from hybridrl.rollout.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from hybridrl.rollout.weight_routes import WeightRoutes
@@ -26,8 +27,8 @@ from tests.rollout._deepseek_v4 import TYPES, VOCAB, draw_config, drawn, hf_mode
 
 def engine_model(hf, cfg, max_seq_len=256):
     model_cfg = parse_hf_config(cfg)
-    model = DeepseekV4ForCausalLM(model_cfg, model_cfg.v4, UnquantizedLinearMethod(), max_seq_len, torch.float32,
-                                  torch.device("cpu"))
+    ctx = LayerContext(linear_method=UnquantizedLinearMethod(), dtype=torch.float32, device=torch.device("cpu"))
+    model = DeepseekV4ForCausalLM(model_cfg, model_cfg.v4, max_seq_len, ctx)
     update = WeightUpdate(model, WeightRoutes(model))
     update.begin()
     update.load(named_trainer_tensors(hf))

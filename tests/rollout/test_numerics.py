@@ -11,8 +11,9 @@ from hybridrl.rollout.layers import attention, cpu_linear
 from tests.rollout.conftest import VOCAB, make_config, make_hf_model
 
 
-def _engine(cfg, hf, *, max_batch_size=4, dtype=torch.float32, **kw):
-    engine = RolloutEngine(cfg, EngineSpec(max_batch_size=max_batch_size, max_seq_len=64, dtype=dtype), **kw)
+def _engine(cfg, hf, *, max_batch_size=4, dtype=torch.float32, compile_decode=False, **kw):
+    spec = EngineSpec(max_batch_size=max_batch_size, max_seq_len=64, dtype=dtype, compile_decode=compile_decode)
+    engine = RolloutEngine(cfg, spec, **kw)
     engine.load_weights(hf.named_parameters())
     return engine
 
@@ -119,7 +120,7 @@ def test_shared_prompts_prefill_once_same_samples():
 
 @pytest.mark.slow
 def test_compiled_decode_matches_eager():
-    """compile_decode=True (torch.compile of the decode step) samples what eager mode samples."""
+    """EngineSpec(compile_decode=True) (torch.compile of the decode step) samples what eager mode samples."""
     cfg = make_config("qwen2")
     hf = make_hf_model(cfg)
     prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38]]

@@ -29,11 +29,10 @@ from torch import nn
 
 from hybridrl.rollout.core.kv_cache import KVCache
 from hybridrl.rollout.layers import flash_decode
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.linear import QKVLinear, RowParallelLinear
-from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.rotary import apply_rotary
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
 
 
@@ -65,25 +64,24 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    """GQA attention over this rank's heads (``tp``: ``H / T`` query heads, their KV heads;
+    """GQA attention over this rank's heads (``ctx.tp``: ``H / T`` query heads, their KV heads;
     ``o_proj`` all-reduces the heads' partial outputs)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, method: LinearMethodBase, dtype: torch.dtype,
-                 device: torch.device, prefix: str, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: LayerContext):
         super().__init__()
+        tp = ctx.tp
         self.layer_idx = layer_idx
         self.num_heads = tp.split(cfg.num_heads, "the attention heads")[1]
         self.num_kv_heads, self.head_dim = tp.kv_heads(cfg.num_kv_heads)[1], cfg.head_dim
         self.enable_gqa = self.num_heads != self.num_kv_heads
-        kw = dict(method=method, dtype=dtype, device=device)
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp,
-                                  bias=cfg.qkv_bias, prefix=f"{prefix}.qkv_proj", **kw)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp, unit=cfg.head_dim,
-                                        what="the attention heads", bias=cfg.o_bias, prefix=f"{prefix}.o_proj", **kw)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                  ctx.child("qkv_proj"), bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ctx.child("o_proj"),
+                                        bias=cfg.o_bias, unit=cfg.head_dim, what="the attention heads")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.dtype, ctx.device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [B, S, hidden] -> [B, S, hidden]."""

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.layers import cpu_linear
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, vocab_share
+from hybridrl.rollout.layers.context import LayerContext
+from hybridrl.rollout.layers.tensor_parallel import TensorParallel, TPSlice, vocab_share
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -53,12 +54,11 @@ def _vocab_rows(param: nn.Parameter, vocab_size: int, hidden_size: int, tp: Tens
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: LayerContext):
         super().__init__()
-        self.tp = tp
+        self.tp = tp = ctx.tp
         self.vocab_start, self.vocab_len, rows = vocab_share(vocab_size, tp)
-        self.weight = nn.Parameter(torch.zeros(rows, hidden_size, dtype=dtype, device=device),
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size, dtype=ctx.dtype, device=ctx.device),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         if tp.size > 1:
@@ -76,15 +76,15 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """logits = h @ W.T; `tied_to` makes W the embedding Parameter itself (no copy)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 tied_to: VocabEmbedding | None = None, tp: TensorParallel = SINGLE):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: LayerContext, tied_to: VocabEmbedding | None = None):
         super().__init__()
+        tp = ctx.tp
         self.tied, self.tp, self.vocab_size = tied_to is not None, tp, vocab_size
         if self.tied:
             self.weight = tied_to.weight
         else:
             rows = vocab_share(vocab_size, tp)[2]
-            self.weight = nn.Parameter(_head_storage(rows, hidden_size, dtype, torch.device(device)),
+            self.weight = nn.Parameter(_head_storage(rows, hidden_size, ctx.dtype, torch.device(ctx.device)),
                                        requires_grad=False)
             self.weight.weight_loader = default_weight_loader
             if tp.size > 1:

@@ -31,25 +31,26 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from hybridrl.rollout.layers.fused_moe_method import PROJS, FusedMoEMethodBase
+from hybridrl.rollout.layers.context import LayerContext
+from hybridrl.rollout.layers.fused_moe_method import PROJS
 from hybridrl.rollout.layers.moe_dispatch import fused_experts
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, take_local
+from hybridrl.rollout.layers.tensor_parallel import TPSlice, take_local
 
 
 class FusedExperts(nn.Module):
     """E experts of width I over hidden size H; ``forward(x, topk_ids, topk_weights)``."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 method: FusedMoEMethodBase, dtype: torch.dtype, device: torch.device, prefix: str = "",
-                 swiglu_limit: float | None = None, tp: TensorParallel = SINGLE):
-        """``intermediate_size``: the HF width I; this rank holds ``I / tp.size`` of it."""
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: LayerContext, *,
+                 swiglu_limit: float | None = None):
+        """``intermediate_size``: the HF width I; this rank holds ``I / ctx.tp.size`` of it;
+        the storage is ``ctx.moe_method``'s."""
         super().__init__()
-        self.tp, self.hf_intermediate_size = tp, intermediate_size
-        self.inter_start, local = tp.split(intermediate_size, f"{prefix}: the experts' intermediate size")
+        self.tp, self.hf_intermediate_size = ctx.tp, intermediate_size
+        self.inter_start, local = ctx.tp.split(intermediate_size, f"{ctx.prefix}: the experts' intermediate size")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, local
         self.swiglu_limit = swiglu_limit
-        self.dtype, self.prefix, self.method = dtype, prefix, method
-        method.create_weights(self, dtype, device)
+        self.dtype, self.prefix, self.method = ctx.dtype, ctx.prefix, ctx.moe_method
+        self.method.create_weights(self, ctx.dtype, ctx.device)
 
     # geometry
     def full_shape(self, proj: str) -> torch.Size:

@@ -8,6 +8,9 @@ Tensor parallelism (``tensor_parallel.py``): a column-parallel layer is built wi
 rank's share of output rows and one :class:`TPSlice` per shard (which rows of the HF tensor
 it holds); a :class:`RowParallelLinear` holds a share of the input columns and all-reduces
 its output. Sizes below are always *this rank's*; ``hf_shape`` is the HF tensor's.
+
+Every layer is built with its ``LayerContext`` (``context.py``): the linear method, dtype,
+device, tensor-parallel rank and the layer's module name (``prefix``).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridrl.rollout.layers.linear_method import LinearMethodBase, copy_into_slot
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice
+from hybridrl.rollout.layers.context import LayerContext
+from hybridrl.rollout.layers.linear_method import copy_into_slot
+from hybridrl.rollout.layers.tensor_parallel import TPSlice
 
 
 class LinearBase(nn.Module):
@@ -24,8 +28,7 @@ class LinearBase(nn.Module):
 
     shard_names: tuple = (None,)
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, method: LinearMethodBase,
-                 dtype: torch.dtype, device: torch.device, prefix: str = "",
+    def __init__(self, input_size: int, output_sizes: list[int], ctx: LayerContext, *, bias: bool,
                  tp_slices: list[TPSlice | None] | None = None, hf_sizes: tuple[int, list[int]] | None = None):
         """``tp_slices``: per shard, the part of its HF tensor this rank holds (None: all);
         ``hf_sizes``: the HF ``(input size, output sizes)`` when they differ from this rank's."""
@@ -36,14 +39,15 @@ class LinearBase(nn.Module):
         self.output_size = sum(output_sizes)
         self.tp_slices = list(tp_slices or [None] * len(output_sizes))
         self.hf_input_size, self.hf_output_sizes = hf_sizes or (input_size, list(output_sizes))
-        self.prefix = prefix
-        self.method = method
+        self.prefix, self.method = ctx.prefix, ctx.linear_method
+        self.dtype = ctx.dtype  # the engine's activation dtype, also over FP8 weights (a LoRA adapter's)
         self.adapter = None  # a LoRAAdapter (layers/lora_adapter.py) when the engine applies LoRA here
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype, device=device), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(self.output_size, dtype=ctx.dtype, device=ctx.device),
+                                     requires_grad=False)
             self.bias.weight_loader = lambda p, w, shard_id=None: copy_into_slot(self, p, w, shard_id)
-        method.create_weights(self, dtype, device)
+        self.method.create_weights(self, ctx.dtype, ctx.device)
 
     def shard_slice(self, shard_id: str | int | None) -> slice:
         """Rows of the fused output that hold `shard_id`."""
@@ -83,19 +87,20 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Unfused linear, whole on every rank (routers, MLA's down-projections, unsplit layers)."""
 
-    def __init__(self, input_size: int, output_size: int, **kw):
-        super().__init__(input_size, [output_size], **kw)
+    def __init__(self, input_size: int, output_size: int, ctx: LayerContext, *, bias: bool = False):
+        super().__init__(input_size, [output_size], ctx, bias=bias)
 
 
 class ColumnParallelLinear(LinearBase):
     """Unfused linear split over output rows in units of ``unit`` rows (a head's width):
     rank t holds units ``[t·n/T, (t+1)·n/T)`` of the ``output_size / unit`` units."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp: TensorParallel = SINGLE, unit: int = 1,
-                 what: str = "the output rows", **kw):
+    def __init__(self, input_size: int, output_size: int, ctx: LayerContext, *, bias: bool = False, unit: int = 1,
+                 what: str = "the output rows"):
+        tp = ctx.tp
         start, n = tp.split(output_size // unit, what)
         sl = None if tp.size == 1 else TPSlice(0, ((start * unit, n * unit),))
-        super().__init__(input_size, [n * unit], tp_slices=[sl], hf_sizes=(input_size, [output_size]), **kw)
+        super().__init__(input_size, [n * unit], ctx, bias=bias, tp_slices=[sl], hf_sizes=(input_size, [output_size]))
 
 
 class RowParallelLinear(LinearBase):
@@ -103,15 +108,16 @@ class RowParallelLinear(LinearBase):
     the MLP width): each rank multiplies its share, one all-reduce sums them. ``reduce=False``
     leaves the partial sum to the caller (the MoE block reduces experts + shared experts once)."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp: TensorParallel = SINGLE, unit: int = 1,
-                 what: str = "the input columns", reduce: bool = True, **kw):
-        if tp.size > 1 and kw.get("bias"):
-            raise ValueError(f"{kw.get('prefix', 'a row-parallel linear')}: a bias on a row-parallel projection is "
+    def __init__(self, input_size: int, output_size: int, ctx: LayerContext, *, bias: bool = False, unit: int = 1,
+                 what: str = "the input columns", reduce: bool = True):
+        tp = ctx.tp
+        if tp.size > 1 and bias:
+            raise ValueError(f"{ctx.prefix or 'a row-parallel linear'}: a bias on a row-parallel projection is "
                              "not supported with tensor_parallel_size > 1 (it would be added once per rank); "
                              "use tensor_parallel_size=1 for this model")
         start, n = tp.split(input_size // unit, what)
         sl = None if tp.size == 1 else TPSlice(1, ((start * unit, n * unit),))
-        super().__init__(n * unit, [output_size], tp_slices=[sl], hf_sizes=(input_size, [output_size]), **kw)
+        super().__init__(n * unit, [output_size], ctx, bias=bias, tp_slices=[sl], hf_sizes=(input_size, [output_size]))
         self.tp, self.reduce = tp, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,9 +130,9 @@ class QKVLinear(LinearBase):
 
     shard_names = ("q", "k", "v")
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
-                 tp: TensorParallel = SINGLE, **kw):
-        D = head_dim
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, ctx: LayerContext, *,
+                 bias: bool = False):
+        D, tp = head_dim, ctx.tp
         h0, h = tp.split(num_heads, "the attention heads")
         k0, kvh = tp.kv_heads(num_kv_heads)
         slices = None
@@ -134,7 +140,7 @@ class QKVLinear(LinearBase):
             q, kv = TPSlice(0, ((h0 * D, h * D),)), TPSlice(0, ((k0 * D, kvh * D),))
             slices = [q, kv, kv]
         hf = (hidden_size, [num_heads * D, num_kv_heads * D, num_kv_heads * D])
-        super().__init__(hidden_size, [h * D, kvh * D, kvh * D], tp_slices=slices, hf_sizes=hf, **kw)
+        super().__init__(hidden_size, [h * D, kvh * D, kvh * D], ctx, bias=bias, tp_slices=slices, hf_sizes=hf)
 
 
 class MergedColumnLinear(LinearBase):
@@ -142,8 +148,9 @@ class MergedColumnLinear(LinearBase):
 
     shard_names = (0, 1)
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, tp: TensorParallel = SINGLE, **kw):
+    def __init__(self, input_size: int, output_sizes: list[int], ctx: LayerContext, *, bias: bool = False):
+        tp = ctx.tp
         shares = [tp.split(n, "the MLP intermediate size") for n in output_sizes]
         slices = None if tp.size == 1 else [TPSlice(0, (share,)) for share in shares]
-        super().__init__(input_size, [n for _, n in shares], tp_slices=slices,
-                         hf_sizes=(input_size, list(output_sizes)), **kw)
+        super().__init__(input_size, [n for _, n in shares], ctx, bias=bias, tp_slices=slices,
+                         hf_sizes=(input_size, list(output_sizes)))

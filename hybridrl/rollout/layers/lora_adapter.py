@@ -40,10 +40,10 @@ class AdapterSpec:
 class LoRAAdapter(nn.Module):
     """The adapters of one engine linear, for ``shards``: ``{shard_id: HF module name}``."""
 
-    def __init__(self, layer, shards: dict, rank: int, scale: float, dtype: torch.dtype):
-        """``dtype``: the engine's activation dtype (also over FP8 base weights)."""
+    def __init__(self, layer, shards: dict, rank: int, scale: float):
+        """In the layer's dtype: the engine's activation dtype (also over FP8 base weights)."""
         super().__init__()
-        device = layer.weight.device
+        dtype, device = layer.dtype, layer.weight.device
         self.rank, self.scale = rank, scale
         self.shard_ids = list(shards)
         self.hf_modules = dict(shards)
@@ -89,7 +89,7 @@ class LoRAAdapter(nn.Module):
                               self._tp_b[s])
 
 
-def attach_adapters(model: nn.Module, routes, spec: AdapterSpec, dtype: torch.dtype) -> None:
+def attach_adapters(model: nn.Module, routes, spec: AdapterSpec) -> None:
     """Give every engine linear that computes one of ``spec.modules`` its :class:`LoRAAdapter`.
 
     ``routes``: the engine's route table *before* adapters (it says which linear and fused
@@ -109,4 +109,4 @@ def attach_adapters(model: nn.Module, routes, spec: AdapterSpec, dtype: torch.dt
         per_layer.setdefault(route.param_name.rsplit(".", 1)[0], {})[route.shard_id] = X
     for layer_name, shards in per_layer.items():
         layer = model.get_submodule(layer_name)
-        layer.adapter = LoRAAdapter(layer, shards, spec.rank, spec.scale, dtype)
+        layer.adapter = LoRAAdapter(layer, shards, spec.rank, spec.scale)

@@ -39,10 +39,7 @@ def get_moe_method(quantization: str | None) -> FusedMoEMethodBase:
 
 def get_linear_method(quantization: str | None) -> LinearMethodBase:
     """None -> ``UnquantizedLinearMethod``; "fp8" (per channel) / "fp8_block" (128x128) -> ``Fp8LinearMethod``.
-
-    The returned method carries ``moe_method`` (``get_moe_method(quantization)``), which the
-    decoder gives its MoE experts (the engine passes the model one method).
-    """
+    A model takes both methods in its ``LayerContext`` (``layers/context.py``)."""
     dense, _ = _split(quantization)
     if dense is None:
         method: LinearMethodBase = UnquantizedLinearMethod()
@@ -50,5 +47,4 @@ def get_linear_method(quantization: str | None) -> LinearMethodBase:
         from hybridrl.rollout.layers.fp8_linear import Fp8LinearMethod  # on demand: pulls in the FP8 math
 
         method = Fp8LinearMethod(block=dense.startswith("fp8_block"), pow2_scales=dense == "fp8_block_ue8m0")
-    method.moe_method = get_moe_method(quantization)
     return method

@@ -3,9 +3,10 @@ inference layout (fused qkv_proj, gate_up_proj; MoE layers: ``models/moe/block.p
 multi-head latent attention: ``models/deepseek_v3/mla.py``, its first ``first_k_dense_replace``
 layers dense, the rest DeepSeekMoE).
 
-Composition only: the layers own their weights and loaders. ``tp`` (a
-``TensorParallel``) splits every layer Megatron-style (``layers/tensor_parallel.py``). Module names mirror the
-Hugging Face ones so that an HF name maps to ours by `packed_modules_mapping` alone.
+Composition only: the layers own their weights and loaders; every module is built with its
+``LayerContext`` (``layers/context.py``: the quantization methods, dtype, device, its module
+name), whose ``tp`` splits every layer Megatron-style (``layers/tensor_parallel.py``). Module
+names mirror the Hugging Face ones so that an HF name maps to ours by `packed_modules_mapping` alone.
 """
 
 from __future__ import annotations
@@ -15,31 +16,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.layers.attention import Attention, ForwardContext
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
-from hybridrl.rollout.layers.fused_moe_method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
-from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.models.deepseek_v3.mla import MlaAttention, MlaRotary
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.layers.rotary import RotaryEmbedding
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
 from hybridrl.rollout.models.moe.block import SparseMoeBlock
 
 
 class MLP(nn.Module):
-    """Gated MLP; under ``tp`` column-parallel gate/up, row-parallel down (``reduce=False``:
+    """Gated MLP; under ``ctx.tp`` column-parallel gate/up, row-parallel down (``reduce=False``:
     its partial sum is left to the caller, the MoE block's one all-reduce)."""
 
-    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, dtype, device, prefix: str,
-                 intermediate_size: int | None = None, tp: TensorParallel = SINGLE, reduce: bool = True):
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext, intermediate_size: int | None = None,
+                 reduce: bool = True):
         super().__init__()
-        kw = dict(bias=cfg.mlp_bias, method=method, dtype=dtype, device=device)
         width = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [width] * 2, tp=tp,
-                                               prefix=f"{prefix}.gate_up_proj", **kw)
-        self.down_proj = RowParallelLinear(width, cfg.hidden_size, tp=tp, what="the MLP intermediate size",
-                                           reduce=reduce, prefix=f"{prefix}.down_proj", **kw)
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [width] * 2, ctx.child("gate_up_proj"),
+                                               bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, ctx.child("down_proj"), bias=cfg.mlp_bias,
+                                           what="the MLP intermediate size", reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -47,25 +45,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, method: LinearMethodBase, dtype, device, prefix: str,
-                 moe_method: FusedMoEMethodBase | None = None, rotary: nn.Module | None = None,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, idx: int, ctx: LayerContext, rotary: nn.Module | None = None):
+        """``rotary``: the model's MLA rope tables (shared by every MLA layer)."""
         super().__init__()
         if cfg.mla is not None:
-            self.self_attn = MlaAttention(cfg, idx, method, dtype, device, f"{prefix}.self_attn", rotary, tp=tp)
+            self.self_attn = MlaAttention(cfg, idx, ctx.child("self_attn"), rotary)
         else:
-            self.self_attn = Attention(cfg, idx, method, dtype, device, f"{prefix}.self_attn", tp=tp)
+            self.self_attn = Attention(cfg, idx, ctx.child("self_attn"))
         self.is_moe = cfg.is_moe_layer(idx)
         if self.is_moe:
             shared_name = "shared_experts" if cfg.router is not None else "shared_expert"
-            shared = (MLP(cfg, method, dtype, device, f"{prefix}.mlp.{shared_name}", cfg.shared_expert_intermediate_size,
-                          tp=tp, reduce=False) if cfg.shared_expert_intermediate_size else None)
-            self.mlp = SparseMoeBlock(cfg, cfg.moe_layers.index(idx), moe_method or UnquantizedFusedMoEMethod(),
-                                      dtype, device, f"{prefix}.mlp", shared_expert=shared, tp=tp)
+            shared = (MLP(cfg, ctx.child(f"mlp.{shared_name}"), cfg.shared_expert_intermediate_size, reduce=False)
+                      if cfg.shared_expert_intermediate_size else None)
+            self.mlp = SparseMoeBlock(cfg, cfg.moe_layers.index(idx), ctx.child("mlp"), shared_expert=shared)
         else:
-            self.mlp = MLP(cfg, method, dtype, device, f"{prefix}.mlp", tp=tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.mlp = MLP(cfg, ctx.child("mlp"))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (mlp output, residual stream before it); the next layer adds them."""
@@ -79,16 +75,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device,
-                 moe_method: FusedMoEMethodBase | None = None, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, ctx: LayerContext):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=tp)
-        rotary = (MlaRotary(cfg, max_seq_len, dtype, device) if cfg.mla is not None
-                  else RotaryEmbedding(cfg.rope, cfg.head_dim, max_seq_len, dtype, device))
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, method, dtype, device, f"model.layers.{i}", moe_method, rotary, tp=tp)
-            for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.child("embed_tokens"))
+        rotary = (MlaRotary(cfg, max_seq_len, ctx.dtype, ctx.device) if cfg.mla is not None
+                  else RotaryEmbedding(cfg.rope, cfg.head_dim, max_seq_len, ctx.dtype, ctx.device))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ctx.child(f"layers.{i}"), rotary)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
         self.rotary_emb = rotary
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -105,8 +99,8 @@ class DecoderForCausalLM(nn.Module):
     (fused module, shard id); ``hybridrl.rollout.weight_routes`` builds every route from it
     (fused experts route their own weights, ``layers/fused_moe.py``).
 
-    ``moe_method``: how MoE experts are stored; default: what the linear method carries as
-    ``method.moe_method`` (set by ``layers.quantization.get_linear_method``), else unquantized.
+    ``ctx``: the model's root ``LayerContext`` (``layers/context.py``; built by ``rollout/engine.py:
+    build_model``), which every module below hands its children.
     """
 
     routing_recorder = None  # set by hybridrl.rollout.routing.enable_routing_record
@@ -119,14 +113,12 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, method: LinearMethodBase, max_seq_len: int, dtype, device,
-                 moe_method: FusedMoEMethodBase | None = None, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, ctx: LayerContext):
         super().__init__()
-        self.config, self.tp = cfg, tp
-        moe_method = moe_method or getattr(method, "moe_method", None)
-        self.model = DecoderModel(cfg, method, max_seq_len, dtype, device, moe_method, tp=tp)
+        self.config, self.tp = cfg, ctx.tp
+        self.model = DecoderModel(cfg, max_seq_len, ctx.child("model"))
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied, tp=tp)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.child("lm_head"), tied_to=tied)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, ctx)

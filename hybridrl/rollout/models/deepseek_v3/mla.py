@@ -54,10 +54,9 @@ from torch import nn
 
 from hybridrl.rollout.derived import DerivedCache
 from hybridrl.rollout.layers.attention import CPU_MATMUL_DECODE_MIN_BATCH, ForwardContext
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
 
 DECODE_MODES = ("absorb", "decompress")
@@ -101,36 +100,32 @@ class MlaAttention(nn.Module):
     decode_mode = "absorb"  # or "decompress" (per instance: set_decode_mode)
     prefill_mode = "decompress"  # or "absorb" (the benchmark's comparison)
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, method: LinearMethodBase, dtype: torch.dtype,
-                 device: torch.device, prefix: str, rotary: MlaRotary, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ctx: LayerContext, rotary: MlaRotary):
         super().__init__()
-        mla = cfg.mla
-        self.layer_idx, self.num_heads = layer_idx, tp.split(cfg.num_heads, "the attention heads")[1]
+        mla, dtype, device = cfg.mla, ctx.dtype, ctx.device
+        self.layer_idx, self.num_heads = layer_idx, ctx.tp.split(cfg.num_heads, "the attention heads")[1]
         self.nope, self.rope, self.v_dim, self.rank = (mla.qk_nope_head_dim, mla.qk_rope_head_dim,
                                                        mla.v_head_dim, mla.kv_lora_rank)
         self.scale = mla.softmax_scale
         self.rotary = [rotary]  # shared with the model; a list so it is not registered twice
         H, qk = cfg.num_heads, mla.qk_head_dim
-        kw = dict(method=method, dtype=dtype, device=device)
-        heads = dict(tp=tp, what="the attention heads")
+        heads = "the attention heads"  # what the column- and row-parallel projections split
         if mla.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, H * qk, unit=qk, bias=False,
-                                               prefix=f"{prefix}.q_proj", **heads, **kw)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, H * qk, ctx.child("q_proj"), unit=qk, what=heads)
         else:
-            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, mla.q_lora_rank, bias=cfg.qkv_bias,
-                                             prefix=f"{prefix}.q_a_proj", **kw)
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, mla.q_lora_rank, ctx.child("q_a_proj"),
+                                             bias=cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6, dtype, device)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, H * qk, unit=qk, bias=False,
-                                                 prefix=f"{prefix}.q_b_proj", **heads, **kw)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.rank + self.rope, bias=cfg.qkv_bias,
-                                                   prefix=f"{prefix}.kv_a_proj_with_mqa", **kw)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, H * qk, ctx.child("q_b_proj"), unit=qk, what=heads)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.rank + self.rope,
+                                                   ctx.child("kv_a_proj_with_mqa"), bias=cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype, device)
-        self.kv_b_proj = ColumnParallelLinear(self.rank, H * (self.nope + self.v_dim), unit=self.nope + self.v_dim,
-                                              bias=False, prefix=f"{prefix}.kv_b_proj", **heads, **kw)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, H * (self.nope + self.v_dim), ctx.child("kv_b_proj"),
+                                              unit=self.nope + self.v_dim, what=heads)
         self.kv_b_proj.adapter_capable = False  # read through the absorbed caches, not as a matmul
         self.kv_b_proj.adapter_capable_why = "MLA folds it into the absorbed attention caches W_UK / W_UV"
-        self.o_proj = RowParallelLinear(H * self.v_dim, cfg.hidden_size, unit=self.v_dim, bias=cfg.o_bias,
-                                        prefix=f"{prefix}.o_proj", **heads, **kw)
+        self.o_proj = RowParallelLinear(H * self.v_dim, cfg.hidden_size, ctx.child("o_proj"), bias=cfg.o_bias,
+                                        unit=self.v_dim, what=heads)
         H = self.num_heads  # this rank's heads from here on
         ready = lambda: self.kv_b_proj.method.in_inference_layout(self.kv_b_proj)  # noqa: E731
         DerivedCache(self, "w_uk", torch.zeros(H, self.nope, self.rank, dtype=dtype, device=device),

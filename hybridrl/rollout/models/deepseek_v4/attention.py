@@ -31,10 +31,10 @@ from torch import nn
 
 from hybridrl.rollout.models.deepseek_v4.config import V4Dims
 from hybridrl.rollout.models.deepseek_v4.hyper_connection import loaded_param, unweighted_rms_norm
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.linear import ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear
-from hybridrl.rollout.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import RMSNorm
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel, TPSlice, mark_split
+from hybridrl.rollout.layers.tensor_parallel import TPSlice, mark_split
 from hybridrl.rollout.models.deepseek_v4.selection import select_top_entries
 from hybridrl.rollout.models.deepseek_v4.state import ring_positions
 
@@ -83,14 +83,15 @@ class GroupedLinear(LinearBase):
 
     needs_dense_weight = True  # fp8_linear: keep the dequantized cache even where _scaled_mm could run
 
-    def __init__(self, in_per_group: int, out_features: int, n_groups: int, tp: TensorParallel = SINGLE, **kw):
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int, ctx: LayerContext):
         """Tensor parallel: this rank's ``n_groups / T`` groups (the heads it holds)."""
+        tp = ctx.tp
         g0, local = tp.split(n_groups, "o_groups")
         per = out_features // n_groups
         sl = None if tp.size == 1 else [TPSlice(0, ((g0 * per, local * per),))]
         self.n_groups = local
-        super().__init__(in_per_group, [local * per], bias=False, tp_slices=sl,
-                         hf_sizes=(in_per_group, [out_features]), **kw)
+        super().__init__(in_per_group, [local * per], ctx, bias=False, tp_slices=sl,
+                         hf_sizes=(in_per_group, [out_features]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = getattr(self, "weight_dequant", None)
@@ -117,14 +118,14 @@ class _Compressor(nn.Module):
     """kv_proj / gate_proj (never quantized: the checkpoints ship them unquantized),
     position_bias, kv_norm; ``overlap``: CSA's 2m windows of stride m."""
 
-    def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float, dtype, device, prefix: str):
+    def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float, ctx: LayerContext):
         super().__init__()
         out = 2 * width if overlap else width
-        kw = dict(bias=False, method=UnquantizedLinearMethod(), dtype=dtype, device=device)
-        self.kv_proj = ReplicatedLinear(hidden, out, prefix=f"{prefix}.kv_proj", **kw)
-        self.gate_proj = ReplicatedLinear(hidden, out, prefix=f"{prefix}.gate_proj", **kw)
-        self.position_bias = loaded_param(rate, out, dtype=dtype, device=device)
-        self.kv_norm = RMSNorm(width, eps, dtype, device)
+        plain = ctx.unquantized()
+        self.kv_proj = ReplicatedLinear(hidden, out, plain.child("kv_proj"))
+        self.gate_proj = ReplicatedLinear(hidden, out, plain.child("gate_proj"))
+        self.position_bias = loaded_param(rate, out, dtype=ctx.dtype, device=ctx.device)
+        self.kv_norm = RMSNorm(width, eps, ctx.dtype, ctx.device)
         self.rate, self.width, self.overlap = rate, width, overlap
 
     def entries_and_raw(self, x: torch.Tensor, rotary: V4Rotary):
@@ -190,14 +191,12 @@ class Indexer(_Compressor):
     kv_proj / gate_proj / position_bias / kv_norm), then scores ``sum_h w_h relu(q_h . K_c)``
     (float32) that pick the top ``index_topk`` complete entries per query."""
 
-    def __init__(self, hidden: int, dims: V4Dims, eps: float, method: LinearMethodBase, dtype, device, prefix: str):
-        super().__init__(hidden, dims.index_head_dim, dims.csa_rate, True, eps, dtype, device, prefix)
+    def __init__(self, hidden: int, dims: V4Dims, eps: float, ctx: LayerContext):
+        super().__init__(hidden, dims.index_head_dim, dims.csa_rate, True, eps, ctx)
         self.heads, self.head_dim, self.topk = dims.index_n_heads, dims.index_head_dim, dims.index_topk
-        self.q_b_proj = ReplicatedLinear(dims.q_lora_rank, self.heads * self.head_dim, bias=False, method=method,
-                                         dtype=dtype, device=device, prefix=f"{prefix}.q_b_proj")
+        self.q_b_proj = ReplicatedLinear(dims.q_lora_rank, self.heads * self.head_dim, ctx.child("q_b_proj"))
         self.scorer = nn.Module()
-        self.scorer.weights_proj = ReplicatedLinear(hidden, self.heads, bias=False, method=UnquantizedLinearMethod(),
-                                                    dtype=dtype, device=device, prefix=f"{prefix}.scorer.weights_proj")
+        self.scorer.weights_proj = ReplicatedLinear(hidden, self.heads, ctx.child("scorer.weights_proj").unquantized())
 
     def select(self, x, q_res, positions, rotary: V4Rotary, keys: torch.Tensor) -> torch.Tensor:
         """Queries x / q_res [B, S, *] at ``positions [B, S]`` over the index keys ``[B, n, D_I]``
@@ -216,38 +215,36 @@ class Indexer(_Compressor):
 
 
 class V4Attention(nn.Module):
-    """Tensor parallel (``tp``): this rank's heads (whole ``o_groups``; their ``q_b_proj`` rows,
+    """Tensor parallel (``ctx.tp``): this rank's heads (whole ``o_groups``; their ``q_b_proj`` rows,
     sinks and ``o_a_proj`` groups), ``o_b_proj`` row-parallel with one all-reduce. The shared KV
     head, the compressors and the lightning indexer (its own heads) stay whole on every rank,
     so every rank keeps the same state and the indexer picks the same entries on every rank."""
 
-    def __init__(self, hidden: int, heads: int, dims: V4Dims, layer_type: str, eps: float,
-                 method: LinearMethodBase, dtype, device, prefix: str, tp: TensorParallel = SINGLE):
+    def __init__(self, hidden: int, heads: int, dims: V4Dims, layer_type: str, eps: float, ctx: LayerContext):
         super().__init__()
-        D = dims.head_dim
+        D, tp, dtype, device = dims.head_dim, ctx.tp, ctx.dtype, ctx.device
         h0, local = tp.split(heads, "the attention heads")
         self.heads, self.head_dim, self.window, self.eps = local, D, dims.sliding_window, eps
         self.layer_type, self.dims = layer_type, dims
         self.rope = "main" if layer_type == "sliding_attention" else "compress"
-        kw = dict(bias=False, method=method, dtype=dtype, device=device)
-        self.q_a_proj = ReplicatedLinear(hidden, dims.q_lora_rank, prefix=f"{prefix}.q_a_proj", **kw)
+        self.q_a_proj = ReplicatedLinear(hidden, dims.q_lora_rank, ctx.child("q_a_proj"))
         self.q_a_norm = RMSNorm(dims.q_lora_rank, eps, dtype, device)
-        self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, heads * D, tp=tp, unit=D, what="the attention heads",
-                                             prefix=f"{prefix}.q_b_proj", **kw)
-        self.kv_proj = ReplicatedLinear(hidden, D, prefix=f"{prefix}.kv_proj", **kw)
+        self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, heads * D, ctx.child("q_b_proj"), unit=D,
+                                             what="the attention heads")
+        self.kv_proj = ReplicatedLinear(hidden, D, ctx.child("kv_proj"))
         self.kv_norm = RMSNorm(D, eps, dtype, device)
         self.o_a_proj = GroupedLinear(heads * D // dims.o_groups, dims.o_groups * dims.o_lora_rank, dims.o_groups,
-                                      tp=tp, prefix=f"{prefix}.o_a_proj", method=method, dtype=dtype, device=device)
-        self.o_b_proj = RowParallelLinear(dims.o_groups * dims.o_lora_rank, hidden, tp=tp, unit=dims.o_lora_rank,
-                                          what="o_groups", prefix=f"{prefix}.o_b_proj", **kw)
+                                      ctx.child("o_a_proj"))
+        self.o_b_proj = RowParallelLinear(dims.o_groups * dims.o_lora_rank, hidden, ctx.child("o_b_proj"),
+                                          unit=dims.o_lora_rank, what="o_groups")
         self.sinks = mark_split(loaded_param(local, dtype=dtype, device=device), [heads],
                                 None if tp.size == 1 else TPSlice(0, ((h0, local),)))
         self.compressor = None
         if layer_type == "heavily_compressed_attention":
-            self.compressor = _Compressor(hidden, D, dims.hca_rate, False, eps, dtype, device, f"{prefix}.compressor")
+            self.compressor = _Compressor(hidden, D, dims.hca_rate, False, eps, ctx.child("compressor"))
         elif layer_type == "compressed_sparse_attention":
-            self.compressor = _Compressor(hidden, D, dims.csa_rate, True, eps, dtype, device, f"{prefix}.compressor")
-            self.compressor.indexer = Indexer(hidden, dims, eps, method, dtype, device, f"{prefix}.compressor.indexer")
+            self.compressor = _Compressor(hidden, D, dims.csa_rate, True, eps, ctx.child("compressor"))
+            self.compressor.indexer = Indexer(hidden, dims, eps, ctx.child("compressor.indexer"))
 
     def _qkv(self, x, cos, sin):
         B, S, _ = x.shape

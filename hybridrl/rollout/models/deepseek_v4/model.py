@@ -20,15 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.models.deepseek_v4.config import V4Dims
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
 from hybridrl.rollout.layers.fused_moe import FusedExperts
-from hybridrl.rollout.layers.fused_moe_method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from hybridrl.rollout.layers.moe_dispatch import swiglu
 from hybridrl.rollout.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead, expand
 from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
-from hybridrl.rollout.layers.linear_method import LinearMethodBase
 from hybridrl.rollout.layers.norm import RMSNorm, copy_loader
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.models.deepseek_v4.attention import V4Attention, V4Rotary
 from hybridrl.rollout.model_config import ModelConfig
 from hybridrl.rollout.models.moe.block import RoutingTap
@@ -39,14 +37,12 @@ SCORE_FNS = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.si
 class SharedMLP(nn.Module):
     """The shared expert: fused gate_up, clamped SwiGLU, down."""
 
-    def __init__(self, hidden: int, width: int, limit: float, method: LinearMethodBase, dtype, device, prefix: str,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, hidden: int, width: int, limit: float, ctx: LayerContext):
         """Tensor parallel: a share of the width; ``down_proj``'s partial sum is left to the MoE block."""
         super().__init__()
-        kw = dict(bias=False, method=method, dtype=dtype, device=device)
-        self.gate_up_proj = MergedColumnLinear(hidden, [width] * 2, tp=tp, prefix=f"{prefix}.gate_up_proj", **kw)
-        self.down_proj = RowParallelLinear(width, hidden, tp=tp, what="the shared expert width", reduce=False,
-                                           prefix=f"{prefix}.down_proj", **kw)
+        self.gate_up_proj = MergedColumnLinear(hidden, [width] * 2, ctx.child("gate_up_proj"))
+        self.down_proj = RowParallelLinear(width, hidden, ctx.child("down_proj"), what="the shared expert width",
+                                           reduce=False)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,17 +87,15 @@ class V4MoE(RoutingTap, nn.Module):
     layer axis at ``moe_index`` (its position among the top-k layers); a hash layer is not
     (its choice is ``tid2eid[token]``, the same in the trainer by construction)."""
 
-    def __init__(self, cfg: ModelConfig, dims: V4Dims, hashed: bool, moe_index: int, method: LinearMethodBase,
-                 moe_method: FusedMoEMethodBase, dtype, device, prefix: str, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, hashed: bool, moe_index: int, ctx: LayerContext):
         super().__init__()
-        self.top_k, self.records_routing, self.tp = cfg.num_experts_per_tok, not hashed, tp
+        self.top_k, self.records_routing, self.tp = cfg.num_experts_per_tok, not hashed, ctx.tp
         self._init_routing_tap(moe_index)
-        self.gate = V4Router(cfg, dims, hashed, dtype, device)  # whole on every rank: the same choices
-        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, method=moe_method,
-                                    dtype=dtype, device=device, prefix=f"{prefix}.experts",
-                                    swiglu_limit=dims.swiglu_limit, tp=tp)
-        self.shared_experts = SharedMLP(cfg.hidden_size, cfg.moe_intermediate_size, dims.swiglu_limit, method,
-                                        dtype, device, f"{prefix}.shared_experts", tp=tp)
+        self.gate = V4Router(cfg, dims, hashed, ctx.dtype, ctx.device)  # whole on every rank: the same choices
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ctx.child("experts"),
+                                    swiglu_limit=dims.swiglu_limit)
+        self.shared_experts = SharedMLP(cfg.hidden_size, cfg.moe_intermediate_size, dims.swiglu_limit,
+                                        ctx.child("shared_experts"))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         B, S, H = x.shape
@@ -114,20 +108,17 @@ class V4MoE(RoutingTap, nn.Module):
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: V4Dims, idx: int, method, moe_method, dtype, device, prefix: str,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, idx: int, ctx: LayerContext):
         super().__init__()
         eps, H = cfg.rms_norm_eps, cfg.hidden_size
-        self.self_attn = V4Attention(H, cfg.num_heads, dims, dims.layer_types[idx], eps, method, dtype, device,
-                                     f"{prefix}.self_attn", tp=tp)
+        self.self_attn = V4Attention(H, cfg.num_heads, dims, dims.layer_types[idx], eps, ctx.child("self_attn"))
         topk_layers = [i for i, t in enumerate(dims.mlp_layer_types) if t != "hash_moe"]
         hashed = idx not in topk_layers
-        self.mlp = V4MoE(cfg, dims, hashed, -1 if hashed else topk_layers.index(idx), method, moe_method, dtype,
-                         device, f"{prefix}.mlp", tp=tp)
-        self.input_layernorm = RMSNorm(H, eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(H, eps, dtype, device)
+        self.mlp = V4MoE(cfg, dims, hashed, -1 if hashed else topk_layers.index(idx), ctx.child("mlp"))
+        self.input_layernorm = RMSNorm(H, eps, ctx.dtype, ctx.device)
+        self.post_attention_layernorm = RMSNorm(H, eps, ctx.dtype, ctx.device)
         hc = dict(hc_mult=dims.hc_mult, hidden_size=H, sinkhorn_iters=dims.hc_sinkhorn_iters, hc_eps=dims.hc_eps,
-                  norm_eps=eps, dtype=dtype, device=device)
+                  norm_eps=eps, dtype=ctx.dtype, device=ctx.device)
         self.attn_hc, self.ffn_hc = HyperConnection(**hc), HyperConnection(**hc)
 
     def forward(self, streams, input_ids, attend, decoding: bool = False) -> torch.Tensor:
@@ -139,14 +130,13 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: V4Dims, method: LinearMethodBase, max_seq_len: int, dtype, device,
-                 moe_method: FusedMoEMethodBase | None = None, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, max_seq_len: int, ctx: LayerContext):
         super().__init__()
-        moe_method = moe_method or getattr(method, "moe_method", None) or UnquantizedFusedMoEMethod()
+        dtype, device = ctx.dtype, ctx.device
         self.dims = dims
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=tp)
-        self.layers = nn.ModuleList(V4DecoderLayer(cfg, dims, i, method, moe_method, dtype, device,
-                                                   f"model.layers.{i}", tp=tp) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.child("embed_tokens"))
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, dims, i, ctx.child(f"layers.{i}"))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.hc_head = HyperHead(dims.hc_mult, cfg.hidden_size, dims.hc_eps, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = V4Rotary(dims, max_seq_len, dtype, device)
@@ -184,13 +174,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     routing_recorder = None  # set by hybridrl.rollout.routing.enable_routing_record
 
-    def __init__(self, cfg: ModelConfig, dims: V4Dims, method: LinearMethodBase, max_seq_len: int, dtype, device,
-                 moe_method: FusedMoEMethodBase | None = None, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, dims: V4Dims, max_seq_len: int, ctx: LayerContext):
+        """``ctx``: the model's root ``LayerContext`` (``layers/context.py``)."""
         super().__init__()
-        self.config, self.dims, self.tp = cfg, dims, tp
-        self.model = DeepseekV4Model(cfg, dims, method, max_seq_len, dtype, device, moe_method, tp=tp)
+        self.config, self.dims, self.tp = cfg, dims, ctx.tp
+        self.model = DeepseekV4Model(cfg, dims, max_seq_len, ctx.child("model"))
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied, tp=tp)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.child("lm_head"), tied_to=tied)
 
     def logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """[B, S] right-padded -> logits [B, S, V] float32."""

@@ -33,12 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.rollout.layers.attention import ForwardContext
+from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.fused_moe import FusedExperts
-from hybridrl.rollout.layers.fused_moe_method import FusedMoEMethodBase
 from hybridrl.rollout.layers.linear import ReplicatedLinear
-from hybridrl.rollout.layers.linear_method import UnquantizedLinearMethod
 from hybridrl.rollout.layers.norm import copy_loader
-from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 from hybridrl.rollout.model_config import ModelConfig
 
 ROUTING_DTYPE = torch.int16  # expert ids as recorded (E <= 32767)
@@ -130,29 +128,25 @@ class RoutingTap:
 
 
 class SparseMoeBlock(RoutingTap, nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_index: int, moe_method: FusedMoEMethodBase, dtype, device, prefix: str,
-                 shared_expert: nn.Module | None = None, tp: TensorParallel = SINGLE):
-        """``shared_expert``: built with ``tp`` and ``reduce=False`` (this block reduces it)."""
+    def __init__(self, cfg: ModelConfig, moe_index: int, ctx: LayerContext, shared_expert: nn.Module | None = None):
+        """``shared_expert``: built with ``ctx.tp`` and ``reduce=False`` (this block reduces it)."""
         super().__init__()
-        self.tp = tp
+        self.tp = ctx.tp
         H, E = cfg.hidden_size, cfg.num_experts
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self._init_routing_tap(moe_index)  # position among the model's MoE layers (the record's layer axis)
         self.grouped = cfg.router
         if self.grouped is not None:
-            self.gate = GroupedTopkRouter(E, H, dtype, device)
+            self.gate = GroupedTopkRouter(E, H, ctx.dtype, ctx.device)
         else:
-            self.gate = ReplicatedLinear(H, E, bias=False, method=UnquantizedLinearMethod(), dtype=dtype,
-                                         device=device, prefix=f"{prefix}.gate")
-        self.experts = FusedExperts(E, H, cfg.moe_intermediate_size, method=moe_method, dtype=dtype,
-                                    device=device, prefix=f"{prefix}.experts", tp=tp)
+            self.gate = ReplicatedLinear(H, E, ctx.child("gate").unquantized())
+        self.experts = FusedExperts(E, H, cfg.moe_intermediate_size, ctx.child("experts"))
         self.shared_expert = self.shared_experts = None
         if self.grouped is not None:  # DeepSeek: ``mlp.shared_experts``, ungated
             self.shared_experts = shared_expert
         elif shared_expert is not None:  # Qwen2-MoE: ``mlp.shared_expert``, gated
             self.shared_expert = shared_expert
-            self.shared_expert_gate = ReplicatedLinear(H, 1, bias=False, method=UnquantizedLinearMethod(),
-                                                       dtype=dtype, device=device, prefix=f"{prefix}.shared_expert_gate")
+            self.shared_expert_gate = ReplicatedLinear(H, 1, ctx.child("shared_expert_gate").unquantized())
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """x ``[B, S, H]`` -> ``[B, S, H]``."""
