@@ -30,7 +30,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -126,18 +125,18 @@ def rank_main(config_yaml: str, error_dir: str) -> None:
 
 
 # ---- running a job (in the test process; 2 ranks: launched from it) -----------------------------
-@dataclass
 class Run:
-    name: str
-    seed: int
-    overrides: list[str]
-    ranks: int
-    dir: Path
-    rc: int
-    seconds: float
-    stderr: str = ""
-    rows: list[dict] = field(default_factory=list)  # metrics.jsonl
-    records: list[list[dict]] = field(default_factory=list)  # per rank
+    """One finished job: its logged rows (metrics.jsonl) and every rank's record. (A plain
+    class, not a dataclass: this file is also the reward, executed from its path by
+    ``rewards/registry.py``, which does not register the module in ``sys.modules`` first, and
+    a dataclass with string annotations looks its module up there.)"""
+
+    def __init__(self, *, name: str, seed: int, overrides: list[str], ranks: int, dir: Path, rc: int,
+                 seconds: float):
+        self.name, self.seed, self.overrides, self.ranks, self.dir = name, seed, overrides, ranks, dir
+        self.rc, self.seconds = rc, seconds
+        self.rows: list[dict] = []  # metrics.jsonl
+        self.records: list[list[dict]] = []  # per rank
 
     def label(self) -> str:
         return f"run {self.name!r} (seed {self.seed}, {self.ranks} rank(s), {self.seconds:.1f}s)"
