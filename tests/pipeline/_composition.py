@@ -177,7 +177,7 @@ def job(task: str, *extra: str) -> tuple[str | None, list[str]]:
 
 
 def run_job(out: Path, name: str, task: str, extra: list[str], *, seed: int, monkeypatch, ranks: int = 1,
-            expect_ok: bool = True) -> Run:
+            steps: int = STEPS, expect_ok: bool = True) -> Run:
     """``hybridrl train`` in this process (``cli.main``); ``ranks=2`` launches 2 gloo ranks (real
     processes, FSDP2) from here. The recorder runs in every rank. The test process's torch
     threads and RNG are restored after."""
@@ -186,8 +186,8 @@ def run_job(out: Path, name: str, task: str, extra: list[str], *, seed: int, mon
     from hybridrl.cli import main
     from hybridrl.launch import elastic
 
-    config, overrides = job(task, *extra, f"trainer.seed={seed}", f"trainer.output_dir={out}",
-                            f"trainer.run_name={name}")
+    config, overrides = job(task, *extra, f"trainer.total_steps={steps}", f"trainer.seed={seed}",
+                            f"trainer.output_dir={out}", f"trainer.run_name={name}")
     if ranks > 1:
         overrides.append(f"launcher.nproc_per_node={ranks}")
     record = out / f"{name}.record"
@@ -214,7 +214,7 @@ def run_job(out: Path, name: str, task: str, extra: list[str], *, seed: int, mon
         run.rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
         run.records = [[json.loads(line) for line in (record / f"rank{r}.jsonl").read_text().splitlines()]
                        for r in range(ranks)]
-        assert len(run.steps()) == STEPS, f"{run.label()}: logged {len(run.steps())} of {STEPS} steps"
+        assert len(run.steps()) == steps, f"{run.label()}: logged {len(run.steps())} of {steps} steps"
     return run
 
 

@@ -1,5 +1,5 @@
 """The composition matrix: every ``trainer.mode`` x task x ranks x tensor parallelism x engine
-that makes sense, each a real job (real processes, real engines, tiny models, 3 RL steps),
+that makes sense, each a real job (real processes, real engines, tiny models, 3 RL steps; 5 for invariant 3),
 each checking the invariant its combination promises. One batch source serves every mode
 (``hybridrl/pipeline/source.py``), so these are the same code path under different settings.
 
@@ -233,14 +233,17 @@ def _check_bound(run, drawn: dict) -> None:
     print(f"drawn {drawn}: largest lag {worst}", file=sys.stderr)
 
 
+BOUND_STEPS = 5  # a lag of 3 needs a sample started at step 1 and trained at step 4
+
+
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
 def test_staleness_bound(tmp_path: Path, monkeypatch, mode: str, task: str) -> None:
-    """Invariant 3 at 1 rank (at 2 ranks: the overlapped ``test_dynamic_sampling_quota`` runs,
-    which draw their producer speeds the same way)."""
+    """Invariant 3 at 1 rank, 5 RL steps (at 2 ranks: the overlapped ``test_dynamic_sampling_quota``
+    runs, which draw their producer speeds the same way, 3 steps: lags up to 2)."""
     drawn, extra = _draw(mode, task)
     try:
-        run = run_job(tmp_path, "bound", task, extra, seed=drawn["seed"], monkeypatch=monkeypatch)
+        run = run_job(tmp_path, "bound", task, extra, seed=drawn["seed"], monkeypatch=monkeypatch, steps=BOUND_STEPS)
         _check_bound(run, drawn)
     except AssertionError as e:
         raise AssertionError(f"drawn {drawn}: {e}") from None
