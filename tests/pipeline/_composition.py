@@ -264,7 +264,8 @@ def assert_same_as_one_process(one: Run, many: Run, *, tolerance: float = 1e-5) 
                          "sampling CDF under other summation orders; steps from here not compared")
             assert s > 1, f"{who}: step 1 sampled different rows from bitwise-equal weights: {notes[-1]}"
             break
-        assert ra["reward/mean"] == rb["reward/mean"], f"{who}: step {s} reward/mean {ra['reward/mean']!r} vs {rb['reward/mean']!r}"
+        assert ra["reward/mean"] == rb["reward/mean"], \
+            f"{who}: step {s} reward/mean {ra['reward/mean']!r} vs {rb['reward/mean']!r}"
         for k in LOSSES:
             if k in ra:
                 assert abs(ra[k] - rb[k]) <= tolerance * max(1.0, abs(ra[k])), \

@@ -1,6 +1,6 @@
 """The composition matrix: every ``trainer.mode`` x task x ranks x tensor parallelism x engine
-that makes sense, each a real job (real processes, real engines, tiny models, 3 RL steps; 5 for invariant 3),
-each checking the invariant its combination promises. One batch source serves every mode
+that makes sense, each a real job (real processes, real engines, tiny models, 3 RL steps; 5
+for invariant 3), each checking the invariant its combination promises. One batch source serves every mode
 (``hybridrl/pipeline/source.py``), so these are the same code path under different settings.
 
 Axes: mode {sync, one_step_off, async}; task {single_turn, agent (the calculator tools,
@@ -297,7 +297,8 @@ def _check_quota(run, what) -> dict:
 
 # the 2-rank single-turn runs of two modes carry LoRA / MoE with routing replay (sharded adapters,
 # gathered publications; replayed routes per rank)
-DAPO_CASES = [(m, t, r, {("sync", "single_turn", 2): "lora", ("async", "single_turn", 2): "moe"}.get((m, t, r), "plain"))
+WITH_VARIANT = {("sync", "single_turn", 2): "lora", ("async", "single_turn", 2): "moe"}
+DAPO_CASES = [(m, t, r, WITH_VARIANT.get((m, t, r), "plain"))
               for m in ("sync", "one_step_off", "async") for t in TASKS for r in (1, 2)]
 
 
