@@ -10,7 +10,7 @@ itself). Two kinds (:func:`environment_kind`):
 
 Invariants: a class loaded from a file carries ``hybridrl_spec`` (its absolute
 ``path:ClassName``) and is pickled for a worker as that spec (:func:`dumps_env_class`), so
-the worker loads the same file again (``spec_loader.py`` registers it in ``sys.modules``
+the worker loads the same file again (``rewards/user_code.py`` registers it in ``sys.modules``
 there too, which is what lets instances of its classes pickle between calls); any other
 class must be importable by name in a fresh process.
 """
@@ -22,7 +22,7 @@ import io
 import pickle
 from typing import Any, Callable, Literal
 
-from hybridrl.agents.spec_loader import load_object
+from hybridrl.rewards.user_code import load_object
 
 ENV_EXAMPLE = "path/to/env.py:ClassName or package.module:ClassName"
 Kind = Literal["environment", "tools"]

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hybridrl.agents.spec_loader import load_object
+from hybridrl.rewards.user_code import load_object
 from hybridrl.did_you_mean import suggest
 
 

@@ -81,24 +81,12 @@ def _load_user_fn(spec: str, where: str) -> RewardFn:
     target, _, fn_name = spec.rpartition(":")
     if not target or not fn_name:
         raise ValueError(f"{where}={spec!r}: give path/to/file.py:fn or module:fn")
-    if target.endswith(".py"):
-        path = Path(target).resolve()
-        if not path.is_file():
-            raise ValueError(f"{where}={spec!r}: file {target} not found")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        with import_errors(spec, where, target):
-            module_spec.loader.exec_module(module)
-        # a module loaded from a file is not importable by name, so a worker process
-        # re-loads it from this absolute path (see process_pool.py)
-        worker_spec = f"{path}:{fn_name}"
-    else:
-        try:
-            with import_errors(spec, where, target):
-                module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"{where}={spec!r}: cannot import {target} ({e}); check the module path") from None
-        worker_spec = None  # importable by name: plain pickling re-imports it
+    from hybridrl.rewards.user_code import load_module
+
+    module, path = load_module(target, spec, where, what="reward")
+    # a module loaded from a file is re-loaded by a worker process from its absolute path
+    # (see process_pool.py); one importable by name is re-imported by plain pickling
+    worker_spec = f"{path}:{fn_name}" if path is not None else None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"{where}={spec!r}: no callable {fn_name!r} in {target}")

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridrl.rewards.registry import import_errors
 
 
 def module_name_for(path: Path) -> str:
@@ -39,12 +38,15 @@ def split_spec(spec: str, where: str, example: str) -> tuple[str, str]:
     return target, name
 
 
-def load_module(target: str, spec: str, where: str):
-    """The module ``target`` (a ``.py`` path or a dotted module name); returns
-    ``(module, absolute path or None)``. A file already loaded in this process is reused."""
+def load_module(target: str, spec: str, where: str, what: str = "environment"):
+    """The module ``target`` (a ``.py`` path or a dotted module name) of user code (``what``:
+    a reward, an environment, a tool parser); returns ``(module, absolute path or None)``.
+    A file already loaded in this process is reused."""
+    from hybridrl.rewards.registry import import_errors
+
     if not target.endswith(".py"):
         try:
-            with import_errors(spec, where, target, what="environment"):
+            with import_errors(spec, where, target, what=what):
                 return importlib.import_module(target), None
         except ModuleNotFoundError as e:
             raise ValueError(f"{where}={spec!r}: cannot import {target} ({e}); check the module path") from None
@@ -58,7 +60,7 @@ def load_module(target: str, spec: str, where: str):
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # before executing it, as import does: dataclasses look their module up
     try:
-        with import_errors(spec, where, target, what="environment"):
+        with import_errors(spec, where, target, what=what):
             module_spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(name, None)  # a half-executed module must not be reused
