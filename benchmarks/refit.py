@@ -183,9 +183,11 @@ def vllm_rows(cfg_name: str, hf, repeats: int) -> list[dict]:
     def vllm_reload():
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
 
-    def tied_head_repack():  # our backend's work after vLLM's reload (VllmEngine._refresh_tied_head)
+    def tied_head_repack():  # our backend's work after vLLM's reload (vllm_backend/reload_check.refresh_tied_head)
+        from hybridrl.vllm_backend.reload_check import refresh_tied_head
+
         with torch.no_grad():
-            theirs._refresh_tied_head()
+            refresh_tied_head(theirs.model, theirs.weight_routes)
 
     try:
         t_ours, t_reload, t_repack, t_engine = (min(t) for t in interleaved_times(
