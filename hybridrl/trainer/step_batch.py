@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridrl.rollout import Rollouts
-from hybridrl.rollout.rollouts import build_rollouts
 
 
 @dataclass
@@ -63,31 +62,3 @@ def row_tensors(ro: Rollouts, index: list[int]) -> dict[str, torch.Tensor]:
     if ro.routed_experts is not None:  # MoE routing replay: [B, L, layers, k]
         out["routed_experts"] = ro.routed_experts
     return out
-
-
-def merge(a: StepBatch, b: StepBatch, *, pad_id: int) -> StepBatch:
-    """One scored batch from two (rows of ``b`` after ``a``; ``b``'s prompt ids shifted)."""
-    ra, rb = a.rollouts, b.rollouts
-    if ra.weight_version != rb.weight_version:
-        raise ValueError(f"merge: batches of weight versions {ra.weight_version} and {rb.weight_version}; "
-                         "only rollouts of one policy form a batch")
-    ro = build_rollouts(ra.prompt_token_ids + rb.prompt_token_ids, ra.response_token_ids + rb.response_token_ids,
-                        ra.response_logprobs + rb.response_logprobs, ra.finish_reasons + rb.finish_reasons,
-                        ra.weight_version, pad_id)
-    for name in ("input_ids", "attention_mask", "response_mask", "logprobs"):
-        setattr(ro, name, getattr(ro, name).to(ra.input_ids.device))
-    if ra.routed_experts is not None and rb.routed_experts is not None:
-        L = ro.input_ids.shape[1]
-        ro.routed_experts = torch.cat([_pad_length(ra.routed_experts, L), _pad_length(rb.routed_experts, L)])
-    sb = StepBatch.from_rollouts(a.batch_idx + b.batch_idx, a.index + [i + len(a.batch_idx) for i in b.index], ro)
-    sb.failures = a.failures + b.failures
-    sb.extras = a.extras  # batch means of the first round (the refill rounds' are not re-weighted)
-    sb.raw_scores = torch.cat([a.raw_scores, b.raw_scores])
-    sb.scores = torch.cat([a.scores, b.scores])
-    return sb
-
-
-def _pad_length(routed: torch.Tensor, length: int) -> torch.Tensor:
-    """``[B, L, ...]`` routing padded with -1 (no record) to ``length`` columns."""
-    pad = routed.new_full((routed.shape[0], length - routed.shape[1], *routed.shape[2:]), -1)
-    return torch.cat([routed, pad], dim=1)

@@ -58,35 +58,3 @@ def test_dynamic_sampling_refill(tmp_path):
         assert 0 <= r["batch/refill_rounds"] <= 2
         assert 0.0 <= r["batch/kept_fraction"] <= 1.0
 
-
-def test_merge_keeps_rows_and_scores_aligned(tmp_path):
-    import random
-
-    import torch
-
-    from hybridrl.job.build import build_run
-    from hybridrl.trainer.step_batch import merge
-
-    # one_step_off: the source generates steps 1 and 2 under one weight version (merge's precondition)
-    cfg = load_config(None, TINY + [f"trainer.output_dir={tmp_path}", "trainer.run_name=m",
-                                    "trainer.mode=one_step_off", "pipeline.placement=colocated"])
-    run = build_run(cfg, console=lambda s: None)
-    step = run.step
-    try:
-        step.start(random.Random(3), 1)
-        a, b = (step.source.take(step.actor.model).step_batch for _ in range(2))  # sampled and scored
-    finally:
-        step.close()
-        step.scorer.close()
-        run.directory.close()
-    assert a.rollouts.weight_version == b.rollouts.weight_version
-    m = merge(a, b, pad_id=step.shape.pad_id)
-    n_a = len(a.index)
-    assert m.index == a.index + [i + len(a.batch_idx) for i in b.index]
-    assert torch.equal(m.raw_scores, torch.cat([a.raw_scores, b.raw_scores]))
-    for src, rows in ((a, range(n_a)), (b, range(n_a, len(m.index)))):
-        width = src.rollouts.input_ids.shape[1]
-        for j, i in enumerate(rows):
-            assert torch.equal(m.rollouts.input_ids[i, :width], src.rollouts.input_ids[j])
-            assert torch.equal(m.rollouts.logprobs[i, :width], src.rollouts.logprobs[j])
-            assert m.rollouts.input_ids[i, width:].eq(step.shape.pad_id).all()
