@@ -99,7 +99,7 @@ def test_vllm_backend_rejects_what_it_cannot_do():
     with pytest.raises(ConfigError, match="rollout.backend=vllm"):
         load_config(None, ["rollout.free_cache_engine=true"])
     with pytest.raises(ConfigError, match=r"set rollout.tensor_parallel_size=2"):
-        load_config(None, ["rollout.backend=vllm", "launcher.nproc_per_node=2"])
+        check_engine_choice(load_config(None, ["rollout.backend=vllm", "launcher.nproc_per_node=2"]))
 
 
 @pytest.mark.parametrize("lora", [[], ["model.lora.rank=4", "model.lora.init=gaussian", "optim.lr=3e-2"]],
