@@ -119,10 +119,11 @@ def test_trainer_and_engine_prefill_do_not_depend_on_what_follows_or_the_batch(f
     eng = _engine(cfg, hf)
     with torch.no_grad():
         full_logits = eng.logits(ids[1:], torch.ones_like(ids[1:]))
+    tol = _logprob_tol(full_logits, _head_condition(hf, ids[1:], torch.ones_like(ids[1:])))
     for cut in sorted(torch.randint(8, L, (3,), generator=g).tolist()):
         part = _trainer_logprobs(hf, ids[1:, :cut], torch.ones_like(ids[1:, :cut]))
         gap = _gap(part, full[:, :cut])
-        assert gap < TOL, f"seed {seed} {family}: trainer log-probs of a {cut}-token prefix move by {gap:.2e}"
+        assert gap < tol, f"seed {seed} {family}: trainer log-probs of a {cut}-token prefix move by {gap:.2e} ({tol:.1e})"
         with torch.no_grad():
             part_logits = eng.logits(ids[1:, :cut], torch.ones_like(ids[1:, :cut]))
         gap = _gap(part_logits, full_logits[:, :cut])
@@ -134,7 +135,7 @@ def test_trainer_and_engine_prefill_do_not_depend_on_what_follows_or_the_batch(f
     batched = _trainer_logprobs(hf, ids, mask)
     alone = _trainer_logprobs(hf, ids[:1, :short], mask[:1, :short])
     gap = _gap(batched[0, :short], alone[0])
-    assert gap < TOL, f"seed {seed} {family}: trainer log-probs of a {short}-token row move by {gap:.2e} in a batch"
+    assert gap < tol, f"seed {seed} {family}: trainer log-probs of a {short}-token row move by {gap:.2e} in a batch"
     with torch.no_grad():
         batched = eng.logits(ids, mask)[0, :short]
         alone = eng.logits(ids[:1, :short], mask[:1, :short])[0]
