@@ -27,7 +27,7 @@ class DataConfig:
     val_files: list[str] = _f([], "held-out prompts, same formats (default: 5% split of train)")
     prompt_key: str = _f("prompt", "column holding the prompt (text, or chat messages)")
     answer_key: str = _f("answer", "column holding the ground truth passed to the reward (optional)")
-    max_prompt_length: int = _f(64, "prompts longer than this (in tokens) are skipped and counted", check=Range(low=1))
+    max_prompt_length: int = _f(512, "prompts longer than this (in tokens) are skipped and counted", check=Range(low=1))
     system_prompt: str | None = _f(None, "a system message prepended to chat prompts (a text prompt gets it as a "
                                          "first line); null = none")
     num_digits: int = _f(2, "arithmetic task: digits per operand")
@@ -40,7 +40,11 @@ class DataConfig:
     seed: int = _f(0, "seed for task generation and shuffling", check=SEED)
     task: str = _f("arithmetic", "built-in task when no train_files: arithmetic (one answer per prompt) | "
                                  "calculator (a multi-turn agent with an add tool: needs env.name, see "
-                                 "examples/calculator_agent.yaml)")
+                                 "examples/calculator_agent.yaml) | reasoning_gym:<dataset>[,<dataset>...] "
+                                 "(reasoning-gym's generators, mixed round-robin, scored by its score_answer; "
+                                 "`pip install 'hybridrl[reasoning]'`)")
+    reasoning_gym: dict = _f({}, "reasoning_gym task: generator settings per dataset, e.g. "
+                                 "{chain_sum: {min_terms: 2, max_terms: 3}}")
     operand_digits: int = _f(7, "calculator task: digits of each number (and of their sum)",
                              check=Range(low=2, high=18))
     teacher_tool_rate: float = _f(0.25, "calculator task: share of the warm start's demonstrations that call the "
@@ -50,8 +54,18 @@ class DataConfig:
                                             "with 7 or 8 (they look big)", check=Range(low=0, high=1))
 
     def __post_init__(self) -> None:
-        if self.task not in ("arithmetic", "calculator"):
-            raise ConfigError(f"data.task={self.task!r}: use arithmetic or calculator")
+        if self.task.startswith("reasoning_gym:"):
+            from hybridrl.data.reasoning_gym import check_task
+
+            try:
+                check_task(self.task, self.reasoning_gym)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        elif self.task not in ("arithmetic", "calculator"):
+            raise ConfigError(f"data.task={self.task!r}: use arithmetic, calculator or reasoning_gym:<dataset>")
+        elif self.reasoning_gym:
+            raise ConfigError(f"data.reasoning_gym: settings for data.task=reasoning_gym:<dataset> only (the task is "
+                              f"{self.task}); remove them or set the task")
         check_ranges(self, "data")
         bad = set(self.operations) - set("+-*")
         if bad or not self.operations:
@@ -270,6 +284,8 @@ class Config:
             if ranks % tp:
                 raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {ranks} ranks (launcher."
                                   f"nproc_per_node / num_workers); use a divisor of {ranks}")
+        if self.data.task.startswith("reasoning_gym:") and self.reward.functions == RewardConfig().functions:
+            self.reward.functions = "reasoning_gym"  # the default reward of this task: its datasets' score_answer
         self._check_lora()
         if self.rollout.exact_recompute and not self.rollout.exact:
             raise ConfigError("rollout.exact_recompute checks rollout.exact; set rollout.exact=true")

@@ -109,6 +109,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     torch.manual_seed(t.seed)
     dtype = DTYPES[m.dtype]
     agent_task = cfg.data.task == "calculator" and not cfg.data.train_files
+    gym_task = cfg.data.task.startswith("reasoning_gym:") and not cfg.data.train_files
     if m.path:
         model, tokenizer = load_pretrained(m.path, dtype)
     elif agent_task:  # chat markers as tokens, a chat template with tools; positions for a whole episode
@@ -116,6 +117,12 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
 
         tokenizer = build_chat_char_tokenizer()
         model = builtin_model(tokenizer, m, seed=t.seed, max_position_embeddings=max(128, cfg.env.context_tokens))
+    elif gym_task:  # free text: printable ASCII, the question as a chat turn
+        from hybridrl.data.chat_tokenizer import build_chat_char_tokenizer
+
+        tokenizer = build_chat_char_tokenizer()
+        model = builtin_model(tokenizer, m, seed=t.seed,
+                              max_position_embeddings=max(128, cfg.data.max_prompt_length + cfg.rollout.max_tokens))
     else:
         tokenizer = builtin_tokenizer()
         model = builtin_model(tokenizer, m, seed=t.seed)
@@ -128,6 +135,8 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         from hybridrl.job.agent_data import calculator_data
 
         train_set, eval_set, demos = calculator_data(cfg, tokenizer)
+    elif gym_task:
+        train_set, eval_set, sft = _reasoning_gym_data(cfg, tokenizer, console)
     else:
         train_set, eval_set, sft = _arithmetic_data(cfg, tokenizer)
     if len(train_set) < cfg.batch.prompts_per_step:
@@ -270,6 +279,27 @@ def _arithmetic_data(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet, tupl
     tr = to_set(train)
     sft = (tr.prompts, [answer_ids(a) for a in tr.answers], [None if e.slip is None else answer_ids(e.slip) for e in train])
     return tr, to_set(ev), sft
+
+
+def _reasoning_gym_data(cfg: Config, tokenizer, console: Console) -> tuple[PromptSet, PromptSet, tuple]:
+    """``data.task=reasoning_gym:...``: the generated splits, and the reference answers as
+    the warm start's demonstrations."""
+    from hybridrl.data.reasoning_gym import reasoning_gym_problems
+
+    d = cfg.data
+    train, held_out, report = reasoning_gym_problems(
+        d.task, d.reasoning_gym, tokenizer, sizes=(d.train_size, d.eval_size), seed=d.seed,
+        system_prompt=d.system_prompt, max_prompt_length=d.max_prompt_length)
+    console(f"data {d.task}: {report.summary()}")
+    if not train:
+        raise ValueError(f"data.task={d.task}: no usable training prompts; raise data.max_prompt_length "
+                         f"(now {d.max_prompt_length}) or change data.reasoning_gym")
+    tr, ev = (PromptSet([p.prompt_ids for p in ps], [p.answer for p in ps], [p.text for p in ps])
+              for ps in (train, held_out))
+    end = [tokenizer.eos_token_id]
+    demos = [tokenizer.encode(p.demonstration, add_special_tokens=False) + end for p in train]
+    sft = (tr.prompts, demos, [None] * len(train))
+    return tr, ev, sft
 
 
 def prompt_set_from_files(files: list[str], tokenizer, data: DataConfig, console: Console) -> PromptSet:
