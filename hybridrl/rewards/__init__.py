@@ -8,7 +8,6 @@ config spec (a name, a ``path/to/file.py:fn``, or a weighted list) into a reward
 
 # the task modules register their built-ins when imported
 import hybridrl.rewards.gsm8k  # noqa: F401
-import hybridrl.rewards.judge  # noqa: F401
 import hybridrl.rewards.math_equivalence  # noqa: F401
 import hybridrl.rewards.reasoning_gym  # noqa: F401 - reasoning-gym itself is imported at the first call
 import hybridrl.rewards.reward_model  # noqa: F401
