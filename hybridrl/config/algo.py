@@ -103,6 +103,35 @@ class DapoConfig:
 
 
 @dataclass(kw_only=True)
+class DistillConfig:
+    """On-policy distillation (docs/rewards.md): a teacher scores every sampled token."""
+
+    teacher: str | None = _f(None, "local checkpoint directory of the teacher (same tokenizer as the policy); "
+                                   "null = no distillation")
+    mode: str = _f("advantage", "advantage: log pi_teacher - log pi_student per token as the advantage (Thinking "
+                                "Machines / slime) | loss: TRL's generalized JSD over the vocabulary as a loss term")
+    coef: float = _f(1.0, "weight of the distillation advantage (or loss term)", check=Range(low=0, low_open=True))
+    reward_coef: float = _f(0.0, "weight of the reward's advantages next to it (0 = distillation alone; rewards "
+                                 "are still scored and logged)", check=Range(low=0))
+    beta: float = _f(0.5, "mode=loss: generalized JSD interpolation, 0 = KL(teacher||student), 1 = "
+                          "KL(student||teacher)", check=Range(low=0, high=1))
+    dtype: str = _f("float32", "the teacher engine's dtype: float32 | bfloat16")
+    quantization: str | None = _f(None, "the teacher engine's weights: null | fp8 | fp8_block (a larger teacher)")
+
+    def __post_init__(self) -> None:
+        check_choice(self.mode, ("advantage", "loss"), "algo.distill.mode")
+        check_choice(self.dtype, ("float32", "bfloat16"), "algo.distill.dtype")
+        check_ranges(self, "algo.distill")
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as a ``torch.dtype`` (torch imported on first use: configs stay light)."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass(kw_only=True)
 class ValueConfig:
     """The critic's value loss (``advantage.estimator=gae``)."""
 
@@ -124,6 +153,7 @@ class AlgoConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     dapo: DapoConfig = field(default_factory=DapoConfig)
     value: ValueConfig = field(default_factory=ValueConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     router_aux_loss_coef: float = _f(0.0, "MoE: weight of the router load-balancing loss (0 = off)", check=Range(low=0))
 
     def __post_init__(self) -> None:

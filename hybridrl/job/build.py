@@ -221,7 +221,7 @@ def _step(cfg: Config, parts: _Parts, runner, train_set: PromptSet, longest_prom
     ranks = dp.world_size if dp is not None else 1
     engine = build_engine(cfg, model.config, device=device, ranks=ranks, longest_prompt=longest_prompt,
                           tensor_parallel=mesh.tp if mesh is not None else None, lora=lora, policy=model)
-    actor = Actor.from_config(model, cfg)
+    actor = Actor.from_config(model, cfg, distiller=_distiller(cfg, tokenizer, engine, device))
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
                                         device=device, sharded=dp is not None, mesh=mesh, lora=lora)
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
@@ -234,6 +234,19 @@ def _step(cfg: Config, parts: _Parts, runner, train_set: PromptSet, longest_prom
     source.publish(model)  # first load = the refit path
     return RLStep(source=source, scorer=scorer, actor=actor, critic=critic, train_set=train_set, algo=cfg.algo,
                   shape=BatchShape.from_config(cfg, pad_id), dp=dp)
+
+
+def _distiller(cfg: Config, tokenizer, engine, device):
+    """``algo.distill.teacher``: the teacher served by a built-in engine of its own, scoring
+    rows as long as the student's engine makes them; None without a teacher."""
+    d = cfg.algo.distill
+    if d.teacher is None:
+        return None
+    from hybridrl.trainer.teacher import Distiller, Teacher
+
+    teacher = Teacher.from_config(d, tokenizer, temperature=cfg.rollout.temperature, max_seq_len=engine.max_seq_len,
+                                  device=device, max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch)
+    return Distiller(teacher, d)
 
 
 def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int):

@@ -14,11 +14,12 @@ import torch
 from hybridrl import algos
 from hybridrl.attention.packing import make_microbatches, padding_fraction
 from hybridrl.algos.metrics import accumulate, is_extreme
-from hybridrl.config import AlgoConfig, Config, OptimConfig
+from hybridrl.config import AlgoConfig, BatchConfig, Config, OptimConfig
 from hybridrl.trainer.balance_loss import router_load_balancing_loss
 from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprobs_entropy
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import prefix_cache_expandable, shared_prefix_logprobs_entropy
+from hybridrl.trainer.teacher import Distiller
 
 
 def scalar(t: torch.Tensor) -> float:
@@ -52,27 +53,32 @@ class Actor:
     """
 
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, algo: AlgoConfig, temperature: float,
-                 loss_scale_factor: float | None = None, max_tokens_per_microbatch: int = 8192,
-                 shared_prefix: bool = True, seed: int = 0):
+                 loss_scale_factor: float | None = None, batch: BatchConfig | None = None, seed: int = 0,
+                 distiller: Distiller | None = None):
+        """``batch``: the token budget per micro-batch and whether groups share their prompt's
+        forward (``batch.max_tokens_per_microbatch``, ``batch.shared_prefix``); ``distiller``:
+        on-policy distillation (``algo.distill``), whose divergence term this update adds in
+        ``mode=loss`` and whose advantages the step reads in ``mode=advantage``."""
+        batch = batch if batch is not None else BatchConfig()
         self.model = model
+        self.distiller = distiller
         self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling (its state is resumed)
         self.policy_loss, self.kl = algo.policy_loss, algo.kl
         self.loss_agg_mode, self.loss_scale_factor = algo.loss_agg_mode, loss_scale_factor
         self.temperature = temperature
-        self.shared_prefix = shared_prefix
+        self.shared_prefix = batch.shared_prefix
         self.router_aux_loss_coef = algo.router_aux_loss_coef  # MoE load balancing (Switch Transformer), 0 = off
         self.grad_clip = optim.grad_clip
-        self.max_tokens = max_tokens_per_microbatch
+        self.max_tokens = batch.max_tokens_per_microbatch
         self._optim = optim
         self.reset_optimizer()
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, cfg: Config) -> Actor:
+    def from_config(cls, model: torch.nn.Module, cfg: Config, distiller: Distiller | None = None) -> Actor:
         """The run's actor over ``model`` (``optim``, ``algo``, ``batch``, ``rollout`` groups)."""
         return cls(model, optim=cfg.optim, algo=cfg.algo, temperature=cfg.rollout.temperature,
-                   loss_scale_factor=float(cfg.rollout.max_tokens),
-                   max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch, shared_prefix=cfg.batch.shared_prefix,
-                   seed=cfg.trainer.seed)
+                   loss_scale_factor=float(cfg.rollout.max_tokens), batch=cfg.batch, seed=cfg.trainer.seed,
+                   distiller=distiller)
 
     def reset_optimizer(self) -> None:
         """A fresh AdamW and LR schedule over the model's current trainable parameters (after
@@ -206,6 +212,10 @@ class Actor:
                                                    response_mask=micro["response_mask"], kind=kl.estimator, **agg)
                 loss = loss + kl.coef * kl_loss
                 metrics["actor/kl_loss"] = float(kl_loss.detach())
+            if self.distiller is not None and self.distiller.as_loss:
+                distill = self.distiller.loss(self.model, micro, aggregation)
+                loss = loss + distill
+                metrics["distill/jsd_loss"] = float(distill.detach())
             if self.router_aux_loss_coef > 0 and not shared:
                 aux = router_load_balancing_loss(self.model, moe.router_logits)
                 loss = loss + self.router_aux_loss_coef * aux * (w / total_w)  # this micro-batch's share

@@ -307,6 +307,9 @@ class RLStep:
             token_level_rewards=token_rewards, response_mask=ro.response_mask, index=sb.index,
             norm_adv_by_std_in_grpo=a.advantage.norm_by_std, gamma=a.advantage.gamma, lam=a.advantage.lam,
             values=sb.values, reward_baselines=baselines)
+        if self.actor.distiller is not None:  # on-policy distillation: the teacher's per-token signal
+            sb.tensors["advantages"], distill_m = self.actor.distiller.advantages(sb.tensors["advantages"], ro)
+            metrics.update(distill_m)
         return metrics
 
     def corrections(self, sb: StepBatch, *, stale: bool = False) -> dict[str, float]:
