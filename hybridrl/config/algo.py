@@ -143,7 +143,7 @@ class ValueConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    preset: str | None = _f(None, "published recipe setting the paper's defaults: grpo | dr_grpo | dapo | gspo "
+    preset: str | None = _f(None, "published recipe setting the paper's defaults: grpo | dr_grpo | dapo | gspo | rlhf_ppo "
                                   "(keys given explicitly still win)")
     loss_agg_mode: str = _f("token-mean", "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | "
                                           "seq-mean-token-sum-norm (every loss: policy, KL, entropy, value)")

@@ -92,11 +92,26 @@ class RewardConfig:
                                              "calls failed (a broken reward); null = never stop",
                                         check=Range(low=0, low_open=True, high=1))
     failure_window: int = _f(24, "how many of the latest reward calls max_failure_rate judges", check=Range(low=1))
+    model: str | None = _f(None, "a reward model (local AutoModelForSequenceClassification directory) as the reward: "
+                                 "short for reward.functions=[{name: reward_model, path: ...}] (docs/rewards.md)")
+    judge: str | None = _f(None, "an LLM judge (local causal-LM directory, served by the built-in engine) as the "
+                                 "reward: short for reward.functions=[{name: judge, path: ...}] (docs/rewards.md)")
 
     def __post_init__(self) -> None:
         check_ranges(self, "reward")
         if isinstance(self.functions, list) and not self.functions:
             raise ConfigError("reward.functions=[]: give a reward name or at least one {name, weight} entry")
+        if (self.model or self.judge) and self.functions != RewardConfig.__dataclass_fields__["functions"].default:
+            raise ConfigError("reward.model / reward.judge replace reward.functions; to combine a model with rules, "
+                              "list both: reward.functions=[{name: reward_model, path: ...}, {name: exact_match, "
+                              "weight: 0.5}]")
+
+    @property
+    def spec(self) -> str | list[dict[str, Any]]:
+        """The reward to build: ``functions``, or the models ``model`` / ``judge`` name (summed)."""
+        models = [{"name": "reward_model", "path": self.model}] if self.model else []
+        models += [{"name": "judge", "path": self.judge}] if self.judge else []
+        return models or self.functions
 
 
 @dataclass(kw_only=True)
@@ -284,7 +299,8 @@ class Config:
             if ranks % tp:
                 raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {ranks} ranks (launcher."
                                   f"nproc_per_node / num_workers); use a divisor of {ranks}")
-        if self.data.task.startswith("reasoning_gym:") and self.reward.functions == RewardConfig().functions:
+        if (self.data.task.startswith("reasoning_gym:") and self.reward.functions == RewardConfig().functions
+                and not (self.reward.model or self.reward.judge)):
             self.reward.functions = "reasoning_gym"  # the default reward of this task: its datasets' score_answer
         self._check_lora()
         if self.rollout.exact_recompute and not self.rollout.exact:

@@ -15,6 +15,12 @@ is a fraction of the maximum response length. Values and sources:
   fifth of the length budget (the paper's 4096 of 20480 tokens).
 - ``gspo``   — GSPO (Zheng et al. 2025, arXiv:2507.18071): sequence-level ratio, clip
   3e-4 / 4e-4, per-sequence mean of token losses, no KL.
+- ``rlhf_ppo`` — classic RLHF (InstructGPT, Ouyang et al. 2022, arXiv:2203.02155, with the
+  values of TRL's ``PPOConfig`` and "The N+ Implementation Details of RLHF with PPO", Huang et
+  al. 2024, arXiv:2403.17031): a critic (GAE, gamma 1, lambda 0.95, value clip 0.2), PPO clip
+  0.2, token-mean losses, the KL to the reference as a per-token penalty *in the reward*
+  (k1, beta = 0.05). Give it a reward model: ``reward.model=PATH`` (docs/rewards.md); TRL
+  also runs 4 PPO epochs per batch (``batch.ppo_epochs=4``, not an ``algo`` key).
 """
 
 from __future__ import annotations
@@ -54,7 +60,16 @@ def _gspo(max_tokens: int) -> dict[str, Any]:
             "kl": {"coef": 0.0}}
 
 
-PRESETS: dict[str, PresetFn] = {"grpo": _grpo, "dr_grpo": _dr_grpo, "dapo": _dapo, "gspo": _gspo}
+def _rlhf_ppo(max_tokens: int) -> dict[str, Any]:
+    return {"loss_agg_mode": "token-mean",
+            "advantage": {"estimator": "gae", "gamma": 1.0, "lam": 0.95},
+            "policy_loss": {"name": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
+            "value": {"cliprange": 0.2},
+            "kl": {"coef": 0.05, "estimator": "k1", "use_loss": False}}
+
+
+PRESETS: dict[str, PresetFn] = {"grpo": _grpo, "dr_grpo": _dr_grpo, "dapo": _dapo, "gspo": _gspo,
+                                "rlhf_ppo": _rlhf_ppo}
 
 
 def preset_values(name: str, max_tokens: int) -> dict[str, Any]:

@@ -120,7 +120,7 @@ class RewardRunner:
     @classmethod
     def from_config(cls, reward, report: Callable[[str], None] | None = None) -> RewardRunner:
         """From a ``RewardConfig`` (``cfg.reward``)."""
-        return cls(reward.functions, timeout_s=reward.timeout_s, workers=reward.workers,
+        return cls(reward.spec, timeout_s=reward.timeout_s, workers=reward.workers,
                    failure_reward=reward.failure_reward, memory_limit_mb=reward.memory_limit_mb, report=report,
                    stop_rule=StopRule(window=reward.failure_window, max_failure_rate=reward.max_failure_rate))
 

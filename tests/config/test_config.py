@@ -100,6 +100,8 @@ def test_cli_config_and_help(capsys):
     ("dapo", {"policy_loss.clip_ratio_high": 0.28, "dapo.dynamic_sampling": True, "dapo.overlong_buffer_len": 1,
               "loss_agg_mode": "token-mean"}),
     ("grpo", {"loss_agg_mode": "seq-mean-token-mean", "kl.coef": 0.04, "kl.estimator": "k3", "kl.use_loss": True}),
+    ("rlhf_ppo", {"advantage.estimator": "gae", "advantage.lam": 0.95, "value.cliprange": 0.2, "kl.coef": 0.05,
+                  "kl.estimator": "k1", "kl.use_loss": False, "loss_agg_mode": "token-mean"}),
 ])
 def test_presets_set_paper_defaults(preset, expect):
     cfg = load_config(None, [f"algo.preset={preset}"])
@@ -130,3 +132,18 @@ def test_cli_config_shows_resolved_preset(capsys):
     assert main(["config", "algo.preset=gspo"]) == 0
     out = capsys.readouterr().out
     assert "preset: gspo" in out and "clip_ratio_low: 0.0003" in out and "seq-mean-token-mean" in out
+
+
+def test_reward_model_and_judge_shorthands(tmp_path):
+    """reward.model / reward.judge name the reward (summed when both); with an explicit
+    reward.functions they are refused in one line (the list form combines them); the resolved
+    config round-trips."""
+    cfg = load_config(None, ["reward.model=rm_dir", "reward.judge=judge_dir"])
+    assert cfg.reward.spec == [{"name": "reward_model", "path": "rm_dir"}, {"name": "judge", "path": "judge_dir"}]
+    assert load_config(None, []).reward.spec == "exact_match"
+    again = tmp_path / "resolved.yaml"
+    again.write_text(config_to_yaml(cfg))
+    assert load_config(str(again)) == cfg
+    with pytest.raises(Exception) as e:
+        load_config(None, ["reward.model=rm_dir", "reward.functions=gsm8k"])
+    assert "\n" not in str(e.value) and "reward.functions=[{name: reward_model" in str(e.value)
