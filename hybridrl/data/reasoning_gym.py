@@ -144,16 +144,25 @@ def draw_splits(task: str, settings: dict[str, Any], *, train_size: int, eval_si
                 seed: int) -> tuple[list[ReasoningGymAnswer], list[ReasoningGymAnswer]]:
     """``(train, held_out)`` items, deterministic in ``seed``; no question is in both.
 
-    Held-out first (``eval_size``), then train (``train_size``) without those questions; a
-    dataset whose question space is small yields fewer (after ``MAX_CHUNKS`` chunks)."""
+    Per dataset, held-out first (its share of ``eval_size``), then train without those
+    questions. A dataset whose question space is small yields fewer (after ``MAX_CHUNKS``
+    chunks); when it ran out for train, its held-out part keeps at most half of the
+    questions drawn (as the arithmetic task's split does) and gives the rest to train."""
     check_task(task, settings)
     names = dataset_names(task)
     seen: set[str] = set()
-    held_out = _round_robin([_draw(n, settings.get(n, {}), _share(eval_size, names, n), _seed(seed, "eval", n), seen)
-                             for n in names])
-    train = _round_robin([_draw(n, settings.get(n, {}), _share(train_size, names, n), _seed(seed, "train", n), seen)
-                          for n in names])
-    return train, held_out
+    trains, held_outs = [], []
+    for n in names:
+        options = settings.get(n, {})
+        held_out = _draw(n, options, _share(eval_size, names, n), _seed(seed, "eval", n), seen)
+        want = _share(train_size, names, n)
+        train = _draw(n, options, want, _seed(seed, "train", n), seen)
+        keep = (len(held_out) + len(train)) // 2
+        if len(train) < want and len(held_out) > keep:
+            train, held_out = train + held_out[keep:], held_out[:keep]
+        trains.append(train)
+        held_outs.append(held_out)
+    return _round_robin(trains), _round_robin(held_outs)
 
 
 def _share(total: int, names: list[str], name: str) -> int:

@@ -121,3 +121,10 @@ def test_two_tasks_train_through_the_build_path(tmp_path):
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r.get("reward/failures", 0) == 0 for r in steps)
+
+
+def test_small_question_space_is_split_not_starved():
+    train, held_out = draw_splits("reasoning_gym:chain_sum", SMALL, train_size=20000, eval_size=256, seed=0)
+    tq, eq = _questions(train), _questions(held_out)
+    assert not set(tq) & set(eq) and len(set(tq)) == len(tq)
+    assert len(eq) <= len(tq) <= len(eq) + 1 and len(tq) + len(eq) > 150  # of 200 questions
