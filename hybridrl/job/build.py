@@ -221,13 +221,17 @@ def _step(cfg: Config, parts: _Parts, runner, train_set: PromptSet, longest_prom
     ranks = dp.world_size if dp is not None else 1
     engine = build_engine(cfg, model.config, device=device, ranks=ranks, longest_prompt=longest_prompt,
                           tensor_parallel=mesh.tp if mesh is not None else None, lora=lora, policy=model)
-    actor = Actor.from_config(model, cfg, distiller=_distiller(cfg, tokenizer, engine, device))
+    distiller = _distiller(cfg, tokenizer, engine, device)
+    actor = Actor.from_config(model, cfg, distiller=distiller)
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
                                         device=device, sharded=dp is not None, mesh=mesh, lora=lora)
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
     scorer = RewardScorer(runner, tokenizer)
     pad_id = tokenizer.pad_token_id or 0
-    source = build_source(cfg, SourceParts(local=rollout, groups=group_kind(cfg, train_set, scorer, rollout, pad_id),
+    # the teacher scores each group as it finishes (mode=advantage); in mode=loss, the update does
+    teacher = distiller.teacher if distiller is not None and not distiller.as_loss else None
+    source = build_source(cfg, SourceParts(local=rollout, groups=group_kind(cfg, train_set, scorer, rollout, pad_id,
+                                                                            teacher),
                                            tokenizer=tokenizer, hf_config=model.config,
                                            longest_prompt=longest_prompt, device=device, console=parts.console,
                                            ranks=ranks))
@@ -249,17 +253,18 @@ def _distiller(cfg: Config, tokenizer, engine, device):
     return Distiller(teacher, d)
 
 
-def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int):
-    """What one prompt group is: ``rollout.n`` samples, or with ``env.name`` ``rollout.n`` episodes."""
+def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int, teacher=None):
+    """What one prompt group is: ``rollout.n`` samples, or with ``env.name`` ``rollout.n``
+    episodes; ``teacher``: on-policy distillation's, scoring each finished group's tokens."""
     from hybridrl.pipeline.tasks import EpisodeGroups, SingleTurnGroups
 
     if cfg.env.name is None:
-        return SingleTurnGroups(train_set, scorer, rollout.sampling, pad_id=pad_id)
+        return SingleTurnGroups(train_set, scorer, rollout.sampling, pad_id=pad_id, teacher=teacher)
     from hybridrl.agents.environment import environment_kind, load_environment
 
     tools = environment_kind(load_environment(cfg.env.name)) == "tools"
     return EpisodeGroups(train_set, scorer, n=cfg.rollout.n, pad_id=pad_id, scores_final_answer=tools,
-                         discount=cfg.env.discount, failure_reward=cfg.reward.failure_reward)
+                         discount=cfg.env.discount, failure_reward=cfg.reward.failure_reward, teacher=teacher)
 
 
 def eval_episode_runner(cfg: Config, rollout, tokenizer):

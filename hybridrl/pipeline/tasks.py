@@ -11,7 +11,11 @@ group is, how its finished samples are scored, and how a step's groups become it
   all-zero loss mask: it neither trains nor moves its row's GRPO baseline.
 
 Both lay a step's rows out prompt-major, groups in draw order: the batch a synchronous
-step would build.
+step would build. With an on-policy distillation ``teacher`` (``algo.distill``), each group
+is also scored token by token as it finishes, beside the reward (overlapped with the
+rollout of the other groups, and in the overlapped modes with training): the teacher's
+log-probs of the model's tokens (an episode's environment spans are not the model's, and
+are not scored), the step batch's ``teacher_log_prob``.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from hybridrl.trainer.step_batch import StepBatch
 class SingleTurnGroups:
     kind = "single-turn"
 
-    def __init__(self, train_set, scorer, sampling, *, pad_id: int):
+    def __init__(self, train_set, scorer, sampling, *, pad_id: int, teacher=None):
         self.train_set, self.scorer, self.sampling, self.pad_id = train_set, scorer, sampling, pad_id
         self.n = sampling.n
+        self.teacher = teacher  # a trainer.teacher.Teacher, or None
 
     def work(self, row: int, seed: int, keys: list[str]) -> list[SampleWork]:
         """Sample ``j`` of the group is the request ``keys[j]``, seeded ``request_seed(seed, j)``."""
@@ -44,8 +49,10 @@ class SingleTurnGroups:
 
     def score(self, row: int, outputs: list) -> RewardBatch:
         t = self.train_set
-        return self.scorer.score([o.token_ids for o in outputs], [t.answers[row]] * len(outputs),
-                                 [t.prompt_texts[row]] * len(outputs))
+        rb = self.scorer.score([o.token_ids for o in outputs], [t.answers[row]] * len(outputs),
+                               [t.prompt_texts[row]] * len(outputs))
+        rb.token_scores = _teacher_scores(self.teacher, lambda: rollouts_from_outputs(outputs, self.pad_id))
+        return rb
 
     def assemble(self, rows: list[int], outputs: list[list], rewards: list[RewardBatch],
                  device: torch.device) -> StepBatch:
@@ -59,10 +66,11 @@ class EpisodeGroups:
     kind = "agent episodes"
 
     def __init__(self, train_set, scorer, *, n: int, pad_id: int, scores_final_answer: bool, discount: float,
-                 failure_reward: float):
+                 failure_reward: float, teacher=None):
         self.train_set, self.scorer, self.n, self.pad_id = train_set, scorer, n, pad_id
         self.scores_final_answer = scores_final_answer  # a tools class: the reward scores the final answer
         self.discount, self.failure_reward = discount, failure_reward
+        self.teacher = teacher  # a trainer.teacher.Teacher, or None
 
     def work(self, row: int, seed: int, keys: list[str]) -> list[EpisodeWork]:
         """Episode ``j`` is ``keys[j]``, seeded ``request_seed(seed, j)`` (turn k: mixed with k)."""
@@ -86,12 +94,14 @@ class EpisodeGroups:
         if failed:
             failures["episode failed"] += failed
         return RewardBatch(scores=[self.failure_reward if t.status == "failed" else t.outcome for t in trajs],
-                           failures=failures)
+                           failures=failures,
+                           token_scores=_teacher_scores(self.teacher, lambda: trajectories_to_rollouts(trajs, self.pad_id)))
 
     def assemble(self, rows: list[int], outputs: list[list[Trajectory]], rewards: list[RewardBatch],
                  device: torch.device) -> StepBatch:
         trajs = [t for group in outputs for t in group]
         ro = trajectories_to_rollouts(trajs, self.pad_id)
+        scored = ro.response_mask.bool().to(device)  # what the teacher scored, failed episodes included
         index = []
         for b, t in enumerate(trajs):
             if t.status == "failed":  # alone in its group, nothing trained
@@ -100,12 +110,31 @@ class EpisodeGroups:
             else:
                 index.append(b // self.n)
         sb = StepBatch.from_rollouts(rows, index, rollouts_to_device(ro, device))
-        _set_rewards(sb, RewardBatch.concat(rewards))
+        _set_rewards(sb, RewardBatch.concat(rewards), scored)
         sb.episode_metrics = episode_metrics(trajs)
         return sb
 
 
-def _set_rewards(sb: StepBatch, rb: RewardBatch) -> None:
+def _teacher_scores(teacher, rows) -> list[list[float]] | None:
+    """The teacher's log-prob of every response token of the group's rows (``rows()``: their
+    ``Rollouts``), per row in order; None without a teacher."""
+    if teacher is None:
+        return None
+    ro = rows()
+    lp = teacher.log_probs(ro.input_ids, ro.attention_mask, ro.response_mask)
+    inside = ro.response_mask.bool()
+    return [lp[b][inside[b]].tolist() for b in range(lp.shape[0])]
+
+
+def _set_rewards(sb: StepBatch, rb: RewardBatch, scored: torch.Tensor | None = None) -> None:
+    """The group scores (and token scores) on the step batch; ``scored``: the mask the token
+    scores were taken over, when it is not (any more) the rollouts' response mask."""
+    if rb.token_scores is not None:  # row-major over the mask, as the rows were scored
+        mask = scored if scored is not None else sb.rollouts.response_mask.bool()
+        teacher = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        teacher[mask] = torch.tensor([x for row in rb.token_scores for x in row], dtype=torch.float32,
+                                     device=mask.device)
+        sb.tensors["teacher_log_prob"] = teacher
     sb.failures = sum(rb.failures.values())
     sb.extras = rb.extra_means()  # reward-reported fields (combined components, dict extras)
     sb.raw_scores = torch.tensor(rb.scores, dtype=torch.float32, device=sb.rollouts.input_ids.device)

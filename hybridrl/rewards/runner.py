@@ -53,11 +53,17 @@ class RewardBatch:
     # extra metrics a reward reported (components of a combined reward, dict fields): per
     # sample [B], NaN where that sample failed or did not report the key
     extras: dict[str, list[float]] = field(default_factory=dict)
+    # per sample, one value per response token in order (an on-policy distillation teacher's
+    # log-probs of the sampled tokens); None when nothing scores tokens
+    token_scores: list[list[float]] | None = None
 
     @classmethod
     def concat(cls, batches: list["RewardBatch"]) -> "RewardBatch":
-        """The batches' samples in order, as one batch (extras a batch lacks are NaN there)."""
+        """The batches' samples in order, as one batch (extras a batch lacks are NaN there;
+        token scores all or none)."""
         out = cls(scores=[s for b in batches for s in b.scores])
+        if batches and all(b.token_scores is not None for b in batches):
+            out.token_scores = [t for b in batches for t in b.token_scores]
         for b in batches:
             out.failures.update(b.failures)
             out.seconds += b.seconds

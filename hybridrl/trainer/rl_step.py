@@ -308,7 +308,8 @@ class RLStep:
             norm_adv_by_std_in_grpo=a.advantage.norm_by_std, gamma=a.advantage.gamma, lam=a.advantage.lam,
             values=sb.values, reward_baselines=baselines)
         if self.actor.distiller is not None:  # on-policy distillation: the teacher's per-token signal
-            sb.tensors["advantages"], distill_m = self.actor.distiller.advantages(sb.tensors["advantages"], ro)
+            sb.tensors["advantages"], distill_m = self.actor.distiller.advantages(
+                sb.tensors["advantages"], ro, sb.tensors.pop("teacher_log_prob", None))
             metrics.update(distill_m)
         return metrics
 

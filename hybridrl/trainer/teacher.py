@@ -90,7 +90,9 @@ def check_same_tokenizer(path: Path, tokenizer, where: str) -> None:
 
 class Distiller:
     """``algo.distill`` over a :class:`Teacher`: the step asks it for the distillation
-    advantages (``mode=advantage``), the actor for the divergence loss (``mode=loss``)."""
+    advantages (``mode=advantage``; the batch source's groups carry the teacher's log-probs,
+    scored as each group finished), the actor for the divergence loss (``mode=loss``: the
+    teacher's full distributions, per micro-batch of the update)."""
 
     def __init__(self, teacher: Teacher, distill):
         self.teacher, self.cfg = teacher, distill
@@ -99,10 +101,13 @@ class Distiller:
     def as_loss(self) -> bool:
         return self.cfg.mode == "loss"
 
-    def advantages(self, advantages: torch.Tensor, rollouts) -> tuple[torch.Tensor, dict[str, float]]:
+    def advantages(self, advantages: torch.Tensor, rollouts, teacher_log_prob: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
         """``reward_coef * advantages`` (the reward's), plus in ``mode=advantage`` ``coef *
         (log pi_teacher - log pi_student)`` per response token, the student's log-probs being
-        the sampling ones (the behaviour policy's, at the rollout temperature)."""
+        the sampling ones (the behaviour policy's, at the rollout temperature).
+        ``teacher_log_prob`` ``[B, L]``: the batch source's (each group scored as it finished);
+        None: scored here."""
         from hybridrl.algos import masked_mean
         from hybridrl.algos.distill import reverse_kl_advantages
 
@@ -110,7 +115,8 @@ class Distiller:
         if self.as_loss:
             return out, {}
         mask = rollouts.response_mask
-        teacher = self.teacher.log_probs(rollouts.input_ids, rollouts.attention_mask, mask)
+        teacher = teacher_log_prob if teacher_log_prob is not None else self.teacher.log_probs(
+            rollouts.input_ids, rollouts.attention_mask, mask)
         signal = reverse_kl_advantages(rollouts.logprobs, teacher, mask)
         return out + self.cfg.coef * signal, {"distill/reverse_kl": float(masked_mean(-signal, mask)),
                                               "distill/teacher_log_prob": float(masked_mean(teacher, mask))}

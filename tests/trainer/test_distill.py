@@ -180,7 +180,7 @@ def test_both_signals_are_normalized_as_the_loss_aggregation_says(tmp_path, mode
     class Ro:  # the rollouts' fields the distiller reads; the student's own log-probs sampled
         input_ids, attention_mask, response_mask, logprobs = ids, att, resp, (s_lp * resp).float()
 
-    adv, metrics = actor.distiller.advantages(torch.zeros_like(resp), Ro)
+    adv, metrics = actor.distiller.advantages(torch.zeros_like(resp), Ro, None)
     batch = {"input_ids": ids, "attention_mask": att, "response_mask": resp, "advantages": adv}
     out = actor.update(batch, mini_batch_size=len(ids), epochs=1)
     want = coef * _hand_agg(s_lp - t_lp, resp, mode, scale)
@@ -205,3 +205,45 @@ def test_both_signals_are_normalized_as_the_loss_aggregation_says(tmp_path, mode
         f"seed {seed} {mode}: jsd term {out['distill/jsd_loss']} != hand {want}"
     agg = LossAggregation(mode=mode, loss_scale_factor=scale)
     assert math.isclose(float(agg(jsd.float(), resp)) * coef, want, rel_tol=1e-4, abs_tol=1e-5)
+
+
+def test_groups_scored_as_they_finish_give_the_batch_its_teacher_log_probs(tmp_path):
+    """The batch source scores each finished group with the teacher (overlapped with the rest
+    of the rollout); the assembled step batch's ``teacher_log_prob`` is the teacher's pass
+    over the whole batch (rows scored in other micro-batches: within float32 re-association)."""
+    from hybridrl.pipeline.tasks import SingleTurnGroups
+    from hybridrl.rewards import RewardRunner
+    from hybridrl.rollout.engine import RolloutEngine
+    from hybridrl.rollout.sampling_params import SamplingParams
+    from hybridrl.trainer.prompts import PromptSet
+    from hybridrl.trainer.scoring import RewardScorer
+
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    path, hf, tok = _teacher_dir(tmp_path, rng)
+    teacher = Teacher.from_config(DistillConfig(teacher=str(path)), tok, temperature=1.0, max_seq_len=48,
+                                  device="cpu", max_tokens_per_microbatch=4096)
+    engine = RolloutEngine.from_pretrained(str(path), max_batch_size=8, max_seq_len=48)
+    prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(2, 9))] for _ in range(3)]
+    train = PromptSet(prompts, ["1"] * 3, ["p"] * 3)
+    n = 3
+    sampling = SamplingParams(n=n, max_tokens=rng.randint(4, 12), temperature=1.0, seed=seed)
+    with RewardRunner("exact_match") as runner:
+        groups = SingleTurnGroups(train, RewardScorer(runner, tok), sampling, pad_id=0, teacher=teacher)
+        outputs, rewards = [], []
+        for row in range(3):
+            keys = [f"r{row}-{j}" for j in range(n)]
+            for w in groups.work(row, seed + row, keys):
+                engine.add_request(w.key, w.prompt, w.params)
+            done = engine.run_until_finished(keys)
+            outputs.append([done[k] for k in keys])
+            rewards.append(groups.score(row, outputs[-1]))
+        sb = groups.assemble([0, 1, 2], outputs, rewards, torch.device("cpu"))
+    ro = sb.rollouts
+    whole = teacher.log_probs(ro.input_ids, ro.attention_mask, ro.response_mask)
+    got = sb.tensors["teacher_log_prob"]
+    with torch.no_grad():
+        logits = hf(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits
+    tol = max(1e-5, 2 * 64 * EPS32 * float(logits.abs().max()))
+    assert float((got - whole).abs().max()) <= tol, f"seed {seed}"
+    assert torch.all(got[ro.response_mask == 0] == 0) and bool((got[ro.response_mask > 0] < 0).all()), f"seed {seed}"
