@@ -12,7 +12,7 @@ from typing import Any
 from hybridrl.config.job import (BatchConfig, CheckpointConfig, LauncherConfig, PipelineConfig, RefitConfig,
                                  TrainerConfig, WarmStartConfig)
 from hybridrl.config.algo import AlgoConfig
-from hybridrl.config.base import SEED, ConfigError, Range, _f, check_ranges
+from hybridrl.config.base import SEED, ConfigError, Range, _f, check_choice, check_ranges
 from hybridrl.config.model import ModelConfig
 from hybridrl.config.sampling import sampling_problem
 from hybridrl.quant.schemes import QUANTIZATIONS
@@ -242,11 +242,15 @@ class EnvConfig:
                              "hold the engine's step; episodes then continue in the order their tools finish) | "
                              "false: the turns that finished at an engine step are answered before the next step "
                              "(reproducible bit for bit, tool time not hidden)")
+    reward_input: str = _f("final_answer", "a tools class: what reward.functions scores, the episode's "
+                                           "final_answer | its transcript (everything after the prompt, tool "
+                                           "messages included: for an LLM judge or reward model of whole episodes)")
     latency_ms: float = _f(0.0, "benchmarks: every environment / tool call lasts at least this long (the rest slept), "
                                 "emulating slow tools (search, code execution); 0 = off", check=Range(low=0))
 
     def __post_init__(self) -> None:
         check_ranges(self, "env")
+        check_choice(self.reward_input, ("final_answer", "transcript"), "env.reward_input")
 
 
 @dataclass(kw_only=True)

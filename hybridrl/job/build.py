@@ -263,7 +263,8 @@ def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int, 
     from hybridrl.agents.environment import environment_kind, load_environment
 
     tools = environment_kind(load_environment(cfg.env.name)) == "tools"
-    return EpisodeGroups(train_set, scorer, n=cfg.rollout.n, pad_id=pad_id, scores_final_answer=tools,
+    return EpisodeGroups(train_set, scorer, n=cfg.rollout.n, pad_id=pad_id,
+                         reward_reads=cfg.env.reward_input if tools else None,
                          discount=cfg.env.discount, failure_reward=cfg.reward.failure_reward, teacher=teacher)
 
 

@@ -7,7 +7,7 @@ group is, how its finished samples are scored, and how a step's groups become it
 - :class:`EpisodeGroups`: a group is ``rollout.n`` agent episodes of one prompt
   (``env.name``), each scored by its outcome: the environment's turn rewards (summed, or
   discounted from the last turn back) plus, for a tools class, the reward of its final
-  answer. A *failed* episode (an infrastructure failure) gets its own group and an
+  answer (or of its whole transcript, ``env.reward_input``). A *failed* episode (an infrastructure failure) gets its own group and an
   all-zero loss mask: it neither trains nor moves its row's GRPO baseline.
 
 Both lay a step's rows out prompt-major, groups in draw order: the batch a synchronous
@@ -65,10 +65,14 @@ class SingleTurnGroups:
 class EpisodeGroups:
     kind = "agent episodes"
 
-    def __init__(self, train_set, scorer, *, n: int, pad_id: int, scores_final_answer: bool, discount: float,
+    def __init__(self, train_set, scorer, *, n: int, pad_id: int, reward_reads: str | None, discount: float,
                  failure_reward: float, teacher=None):
+        """``reward_reads``: a tools class's episodes are scored by the run's reward on their
+        ``"final_answer"`` or their ``"transcript"`` (everything after the opening prompt, tool
+        messages included: what an LLM judge of whole episodes reads); None: an environment
+        class, whose turn rewards are the outcome."""
         self.train_set, self.scorer, self.n, self.pad_id = train_set, scorer, n, pad_id
-        self.scores_final_answer = scores_final_answer  # a tools class: the reward scores the final answer
+        self.reward_reads = reward_reads
         self.discount, self.failure_reward = discount, failure_reward
         self.teacher = teacher  # a trainer.teacher.Teacher, or None
 
@@ -82,10 +86,13 @@ class EpisodeGroups:
         failures: Counter = Counter()
         for t in trajs:
             t.outcome = _discounted(t.turn_rewards, self.discount)
-        answered = [t for t in trajs if t.final_answer is not None and t.status != "failed"]
-        if self.scores_final_answer and answered:
+        transcript = self.reward_reads == "transcript"
+        answered = [t for t in trajs if t.status != "failed" and (transcript or t.final_answer is not None)]
+        if self.reward_reads is not None and answered:
             t = self.train_set
-            rb = self.scorer.runner.score([e.final_answer for e in answered], [t.answers[row]] * len(answered),
+            texts = ([self.scorer.tokenizer.decode(e.ids[len(e.prompt_ids):]) for e in answered] if transcript
+                     else [e.final_answer for e in answered])
+            rb = self.scorer.runner.score(texts, [t.answers[row]] * len(answered),
                                           [str(t.prompt_texts[row])] * len(answered))
             failures.update(rb.failures)
             for e, s in zip(answered, rb.scores):

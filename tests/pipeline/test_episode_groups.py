@@ -90,7 +90,7 @@ def test_failed_episodes_end_train_nothing_and_stay_out_of_their_groups_baseline
     with EnvPool(SCRIPTED, workers=2, timeout_s=600) as pool:  # timeout: a hang guard, never reached
         runner = EpisodeRunner(engine, IndexedEpisodes(pool), ChatRenderer(tok), tok,
                                SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), EpisodeLimits(max_turns=TURNS))
-        groups = EpisodeGroups(train_set, scorer=None, n=N, pad_id=0, scores_final_answer=False, discount=1.0,
+        groups = EpisodeGroups(train_set, scorer=None, n=N, pad_id=0, reward_reads=None, discount=1.0,
                                failure_reward=0.0)
         batch_idx = [2, 0, 1]  # the step's draw order, not the set's
         rows = [{"prompt": train_set.prompt_texts[i], "answer": train_set.answers[i]} for i in batch_idx]
