@@ -9,7 +9,8 @@ batch in token-budgeted micro-batches.
 Placement decides trust, per instance: ``colocated`` (default) runs inline in the trainer
 process (trusted: no process hop, the model loaded once when the runner starts);
 ``worker`` runs in the reward runner's worker pool, isolated, under ``reward.timeout_s``
-per batch (every pool worker that starts loads its own copy; it pickles by its options).
+per batch (a pool of one worker for a batched reward, which loads the model itself: the
+reward pickles by its options).
 
 ``normalize``: ``none`` (the raw logit); ``group`` (within one call, ``(s - mean) / (std +
 eps)``; the runner calls once per group of samples of a prompt); ``running`` (against the

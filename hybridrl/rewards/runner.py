@@ -9,7 +9,7 @@ Trusted built-ins (pure and bounded: ``register_reward(..., trusted=True)``) run
 which saves the process hop. Everything else runs in a persistent pool of worker
 processes (``process_pool.py``), which can kill a call that hangs even while holding the
 GIL. A batched reward (``fn.hybridrl_batched``) is called once per batch, the timeout
-applying to that whole call; if it fails, every sample of the batch fails.
+applying to that whole call, in a pool of one worker; if it fails, every sample of the batch fails.
 
 A reward whose recent calls (nearly) all fail is broken, not unlucky: once at least
 ``stop_rule.max_failure_rate`` of the last ``stop_rule.window`` calls failed,
@@ -121,7 +121,9 @@ class RewardRunner:
             if warmup is not None:
                 warmup()
         else:
-            self._pool = _start_pool(self.fn, workers, memory_limit_mb, worker_output)
+            # a batched reward is one call per batch: more workers would only idle, each holding
+            # its own copy of whatever it loaded (a reward model, a judge's client)
+            self._pool = _start_pool(self.fn, 1 if is_batched(self.fn) else workers, memory_limit_mb, worker_output)
 
     @classmethod
     def from_config(cls, reward, report: Callable[[str], None] | None = None) -> RewardRunner:

@@ -181,9 +181,10 @@ def test_worker_placement_scores_the_same_through_the_runner(tmp_path):
     prompts, responses = _texts(random.Random(seed), 8)
     spec = {"name": "reward_model", "path": str(tmp_path), "weight": 1.0}
     inline = RewardRunner([spec], workers=1)
-    isolated = RewardRunner([{**spec, "placement": "worker"}], workers=1, timeout_s=120.0)
+    isolated = RewardRunner([{**spec, "placement": "worker"}], workers=3, timeout_s=120.0)
     try:
         assert inline._pool is None and isolated._pool is not None  # trust is per instance
+        assert len(isolated._pool.pids()) == 1  # a batched reward: one worker, one copy of the model
         a = inline.score(responses, [None] * 8, prompts)
         b = isolated.score(responses, [None] * 8, prompts)
     finally:
