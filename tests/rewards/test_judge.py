@@ -263,3 +263,27 @@ def test_close_and_garbage_collection_stop_the_server(tmp_path):
     gc.collect()
     thread.join(30)
     assert not thread.is_alive()
+
+
+def test_the_default_template_and_the_builtin_alphabet():
+    """The built-in character tokenizer cannot spell the default template (one-line error);
+    the alphabet of scripts/train_judge.py can, and the template stays short (a char judge
+    reads every character)."""
+    import importlib.util
+    from pathlib import Path
+
+    from hybridrl.job.model_factory import builtin_tokenizer
+    from hybridrl.rewards.judge_prompt import DEFAULT_TEMPLATE, JudgePrompt
+
+    with pytest.raises(ValueError, match="cannot spell") as e:
+        JudgePrompt(builtin_tokenizer(), DEFAULT_TEMPLATE, "").check_spelling("builtin")
+    assert "\n" not in str(e.value)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_judge.py"
+    spec = importlib.util.spec_from_file_location("train_judge", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from hybridrl.data.char_tokenizer import build_char_tokenizer
+
+    prompt = JudgePrompt(build_char_tokenizer(module.judge_chars()), DEFAULT_TEMPLATE, "")
+    prompt.check_spelling("train_judge")
+    assert len(prompt.token_ids("37+45=", "82", "")) <= 32
