@@ -31,7 +31,7 @@ def run(method: str, seed: int, args) -> list[dict]:
     cmd = [sys.executable, "-m", "hybridrl", "train", f"trainer.run_name={name}", f"trainer.seed={seed}",
            f"trainer.output_dir={args.out / 'runs'}", f"trainer.total_steps={args.steps}",
            f"trainer.eval_every={args.eval_every}", "logging.progress=false", "checkpoint.save=false",
-           "checkpoint.every=0", "eval.k=0", *extra]
+           "checkpoint.every=0", "eval.k=0", f"trainer.threads={args.threads}", *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (args.out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     curve, seconds = [], 0.0
@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--margin", type=float, default=0.02)
     p.add_argument("--out", type=Path, default=Path("runs/opd_vs_grpo"))
+    p.add_argument("--threads", type=int, default=0, help="torch threads per run (0 = all cores)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     acc = teacher_accuracy(args)
