@@ -10,13 +10,11 @@ registered here and in the task modules; a user function is named as
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib
 import importlib.util
 import inspect
 import re
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,27 +91,6 @@ def _load_user_fn(spec: str, where: str) -> RewardFn:
     if worker_spec is not None:
         fn.hybridrl_spec = worker_spec
     return fn
-
-
-@contextlib.contextmanager
-def import_errors(spec: str, where: str, target: str, what: str = "reward"):
-    """A user module (a ``what``: reward, environment) that fails to import (a syntax error,
-    or raising at import time) is one line naming the file and line, not a traceback
-    through importlib."""
-    try:
-        yield
-    except ModuleNotFoundError as e:
-        if e.name and target.split(".")[0] == e.name.split(".")[0] and not target.endswith(".py"):
-            raise  # the module itself (or its package) is missing: the caller says so
-        raise ValueError(f"{where}={spec!r}: importing {target} failed: {e}; install it or fix the import") from e
-    except SyntaxError as e:  # IndentationError too
-        raise ValueError(f"{where}={spec!r}: {e.filename}:{e.lineno}: {type(e).__name__}: {e.msg}; "
-                         f"fix the {what} file") from e
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the module's top level raised
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        why = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{where}={spec!r}: importing {target} raised {type(e).__name__}: {why} "
-                         f"({frame.filename}:{frame.lineno}); fix the {what} module") from e
 
 
 def _unknown(name: str, where: str) -> ValueError:

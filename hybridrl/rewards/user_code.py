@@ -14,11 +14,13 @@ what was wrong and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +44,6 @@ def load_module(target: str, spec: str, where: str, what: str = "environment"):
     """The module ``target`` (a ``.py`` path or a dotted module name) of user code (``what``:
     a reward, an environment, a tool parser); returns ``(module, absolute path or None)``.
     A file already loaded in this process is reused."""
-    from hybridrl.rewards.registry import import_errors
-
     if not target.endswith(".py"):
         try:
             with import_errors(spec, where, target, what=what):
@@ -82,3 +82,23 @@ def load_object(spec: str, where: str, example: str) -> tuple[Any, Path | None]:
         raise ValueError(f"{where}={spec!r}: no {name!r} in {target} ({defined}); check the name after ':'")
     return obj, path
 
+
+@contextlib.contextmanager
+def import_errors(spec: str, where: str, target: str, what: str = "reward"):
+    """A user module (a ``what``: reward, environment) that fails to import (a syntax error,
+    or raising at import time) is one line naming the file and line, not a traceback
+    through importlib."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if e.name and target.split(".")[0] == e.name.split(".")[0] and not target.endswith(".py"):
+            raise  # the module itself (or its package) is missing: the caller says so
+        raise ValueError(f"{where}={spec!r}: importing {target} failed: {e}; install it or fix the import") from e
+    except SyntaxError as e:  # IndentationError too
+        raise ValueError(f"{where}={spec!r}: {e.filename}:{e.lineno}: {type(e).__name__}: {e.msg}; "
+                         f"fix the {what} file") from e
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the module's top level raised
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{where}={spec!r}: importing {target} raised {type(e).__name__}: {why} "
+                         f"({frame.filename}:{frame.lineno}); fix the {what} module") from e
