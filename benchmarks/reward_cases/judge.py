@@ -9,9 +9,10 @@ prompt (``rubric``), then the question and a 20-40 character response; greedy an
 - ours: the ``judge`` reward (``hybridrl/rewards/judge.py``) called on the whole batch: one
   server thread, every request added at once and decoded together (continuous batching),
   the rubric prefix prefilled once and continued from by every request (retained parent);
-- baseline: what a TRL user writes for a judge reward function: per response, render the
+- baselines: what a TRL user writes for a judge reward function: per response, render the
   same prompt text, ``tokenizer(text, return_tensors="pt")``, ``model.generate(...,
-  do_sample=False, max_new_tokens=max_tokens)``, decode, parse.
+  do_sample=False, max_new_tokens=max_tokens)``, decode, parse; and the same with the whole
+  batch in one left-padded ``generate`` call (the careful user's version).
 
 Both read the same text and produce the same greedy answers; best of interleaved rounds.
 Rows: responses judged / s, and prompt tokens prefilled per response.
@@ -107,19 +108,33 @@ def rows(quick: bool) -> list[dict]:
                                            10.0))
             return scores
 
+        def batched():  # the whole batch in one left-padded generate call, as a careful TRL user would
+            texts = [TEMPLATE.format(rubric=RUBRIC, question=q, response=r, reference="")
+                     for q, r in zip(questions, responses)]
+            tok.padding_side = "left"
+            enc = tok(texts, return_tensors="pt", padding=True)
+            with torch.no_grad():
+                out = hf.generate(**enc, do_sample=False, max_new_tokens=max_tokens,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            width = enc["input_ids"].shape[1]
+            return [parse_number(tok.decode(o[width:], skip_special_tokens=True), 10.0) for o in out]
+
         stats = judge.server.engine.scheduler.stats
         before = dict(stats)
         ours()
         prefilled = (stats["prefill_tokens"] - before["prefill_tokens"]) / n
         prompt_len = sum(len(judge.prompt.token_ids(q, r, "")) for q, r in zip(questions, responses)) / n
         t0 = time.perf_counter()
-        t_ours, t_base = best_interleaved([ours, baseline], repeats)
+        t_ours, t_base, t_batched = best_interleaved([ours, baseline, batched], repeats)
         judge.close()
     setting = (f"transformers {transformers.__version__} generate, one call per response, greedy, "
                f"max_new_tokens={max_tokens}, fp32 CPU, KV cache on")
     case = f"judge {n} resp x {max_tokens} tok, {layers}L h256"
     print(f"# judge benchmark: {time.perf_counter() - t0:.1f} s timed", file=sys.stderr)
     return [row(case=case, metric="responses/s", ours=n / t_ours, baseline=n / t_base, baseline_name=setting,
+                higher_is_better=True),
+            row(case=case, metric="responses/s", ours=n / t_ours, baseline=n / t_batched,
+                baseline_name=setting.replace("one call per response", f"all {n} in one left-padded call"),
                 higher_is_better=True),
             row(case=case, metric="prefill tok/resp", ours=prefilled, baseline=prompt_len,
                 baseline_name="same, whole prompt prefilled per call", higher_is_better=False)]
