@@ -16,8 +16,11 @@ from __future__ import annotations
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+
+from _common import best_interleaved  # noqa: E402
 
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
 SPECIALS = ("<|im_start|>", "<|im_end|>")
@@ -79,18 +82,6 @@ def _baseline(path: str):
     return score
 
 
-def _best_interleaved(fns: list, repeats: int) -> list[float]:
-    """Best wall time of each callable, the callables interleaved within each round (a shared
-    machine's load drifts hit both alike)."""
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
-
-
 def rows(quick: bool) -> list[dict]:
     import torch
     import transformers
@@ -108,7 +99,7 @@ def rows(quick: bool) -> list[dict]:
         worst = max(abs(a - b) for a, b in zip(ours_scores, base_scores))
         assert worst < 1e-4, f"reward_model and the transformers loop disagree by {worst:.3g}"
         tokens = sum(len(render(ours_rm._scorer.tokenizer, p, r)) for p, r in zip(prompts, responses))
-        t_ours, t_base = _best_interleaved([lambda: ours_rm(responses, [None] * n, prompts),
+        t_ours, t_base = best_interleaved([lambda: ours_rm(responses, [None] * n, prompts),
                                             lambda: baseline(prompts, responses)], repeats)
     name = (f"transformers {transformers.__version__} AutoModelForSequenceClassification, batch {BASELINE_BATCH} "
             f"in rollout order, tokenizer-padded (right), inference_mode, fp32, torch {torch.__version__.split('+')[0]}")
