@@ -124,11 +124,13 @@ class ImageInputs:
         return self.pixel_values.numel() * self.pixel_values.element_size()
 
 
-def image_token_runs(ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
-    """``[(start, stop)]`` of each maximal run of image tokens in ``ids``."""
+def image_token_runs(ids: Sequence[int], image_token_id: int,
+                     placeholders: Sequence[bool] | None = None) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` of each maximal run of image tokens in ``ids`` (only where
+    ``placeholders[i]``, when given)."""
     runs, start = [], None
     for i, t in enumerate(ids):
-        if t == image_token_id:
+        if t == image_token_id and (placeholders is None or placeholders[i]):
             if start is None:
                 start = i
         elif start is not None:
@@ -139,15 +141,21 @@ def image_token_runs(ids: Sequence[int], image_token_id: int) -> list[tuple[int,
     return runs
 
 
-def split_runs(ids: Sequence[int], images: ImageInputs | None, tokens: VisionTokens) -> list[tuple[int, int]]:
+def split_runs(ids: Sequence[int], images: ImageInputs | None, tokens: VisionTokens,
+               placeholders: Sequence[bool] | None = None) -> list[tuple[int, int]]:
     """``[(start, stop)]`` of each image's tokens in ``ids``, one per image in order.
 
+    ``placeholders``: which positions may stand for image features (default: all). A
+    sampled response is never a placeholder: the model may emit ``<|image_pad|>`` as a
+    token (masked out of the loss by the pipeline), which is embedded as text and sits at
+    a text position, in the engine and in the trainer alike.
+
     Adjacent images with nothing between them form one run, split by the images' feature
-    counts. Raises ``ImageTokenMismatch`` unless the ids hold exactly the images' features
-    (and no video tokens)."""
-    if tokens.video_token_id in ids:
+    counts. Raises ``ImageTokenMismatch`` unless the placeholders hold exactly the images'
+    features (and no video tokens)."""
+    if any(t == tokens.video_token_id and (placeholders is None or placeholders[i]) for i, t in enumerate(ids)):
         raise ImageTokenMismatch("the prompt holds video tokens; videos are not supported (images only)")
-    runs = image_token_runs(ids, tokens.image_token_id)
+    runs = image_token_runs(ids, tokens.image_token_id, placeholders)
     counts = images.features_per_image(tokens.spatial_merge_size) if images is not None else []
     n_tokens = sum(b - a for a, b in runs)
     if n_tokens != sum(counts):
@@ -165,13 +173,13 @@ def split_runs(ids: Sequence[int], images: ImageInputs | None, tokens: VisionTok
     return spans
 
 
-def mrope_positions(ids: Sequence[int], images: ImageInputs | None,
-                    tokens: VisionTokens) -> tuple[torch.Tensor, int]:
+def mrope_positions(ids: Sequence[int], images: ImageInputs | None, tokens: VisionTokens,
+                    placeholders: Sequence[bool] | None = None) -> tuple[torch.Tensor, int]:
     """3-D rotary positions ``[3, len(ids)]`` long of one sequence, and its ``delta``: a token
     at index ``i >= len(ids)`` appended later sits at ``i + delta`` on every axis.
 
-    Checks the image bookkeeping first (``split_runs``)."""
-    spans = split_runs(ids, images, tokens)
+    Checks the image bookkeeping first (``split_runs``; ``placeholders`` as there)."""
+    spans = split_runs(ids, images, tokens, placeholders)
     merge = tokens.spatial_merge_size
     pieces, pos, cursor = [], 0, 0
     grids = images.grid_thw.tolist() if images is not None else []
