@@ -124,20 +124,21 @@ class ImageInputs:
         return self.pixel_values.numel() * self.pixel_values.element_size()
 
 
-def image_token_runs(ids: Sequence[int], image_token_id: int,
+def image_token_runs(ids: Sequence[int], tokens: "VisionTokens",
                      placeholders: Sequence[bool] | None = None) -> list[tuple[int, int]]:
-    """``[(start, stop)]`` of each maximal run of image tokens in ``ids`` (only where
-    ``placeholders[i]``, when given)."""
+    """``[(start, stop)]`` of each placeholder run of image tokens in ``ids``: a maximal run
+    of ``image_token_id`` enclosed by ``vision_start_id`` and ``vision_end_id``, as every
+    processor lays out an image (or, with ``placeholders``, every run where it is True)."""
     runs, start = [], None
-    for i, t in enumerate(ids):
-        if t == image_token_id and (placeholders is None or placeholders[i]):
+    for i, t in enumerate(list(ids) + [None]):
+        if t == tokens.image_token_id and (placeholders is None or placeholders[i]):
             if start is None:
                 start = i
         elif start is not None:
-            runs.append((start, i))
+            enclosed = start > 0 and ids[start - 1] == tokens.vision_start_id and t == tokens.vision_end_id
+            if placeholders is not None or enclosed:
+                runs.append((start, i))
             start = None
-    if start is not None:
-        runs.append((start, len(ids)))
     return runs
 
 
@@ -145,17 +146,19 @@ def split_runs(ids: Sequence[int], images: ImageInputs | None, tokens: VisionTok
                placeholders: Sequence[bool] | None = None) -> list[tuple[int, int]]:
     """``[(start, stop)]`` of each image's tokens in ``ids``, one per image in order.
 
-    ``placeholders``: which positions may stand for image features (default: all). A
-    sampled response is never a placeholder: the model may emit ``<|image_pad|>`` as a
-    token (masked out of the loss by the pipeline), which is embedded as text and sits at
-    a text position, in the engine and in the trainer alike.
+    ``placeholders``: which positions may stand for image features (default: the runs
+    enclosed by vision start / end tokens, see ``image_token_runs``). A token the policy
+    sampled is never a placeholder: the engines stop a VL request at a sampled vision token
+    (it is the response's last token, so never enclosed) and the pipeline masks that
+    sample out of the loss; it is embedded as text at a text position, in the engine and
+    in the trainer alike.
 
     Adjacent images with nothing between them form one run, split by the images' feature
     counts. Raises ``ImageTokenMismatch`` unless the placeholders hold exactly the images'
     features (and no video tokens)."""
-    if any(t == tokens.video_token_id and (placeholders is None or placeholders[i]) for i, t in enumerate(ids)):
+    if any(t == tokens.video_token_id and i and ids[i - 1] == tokens.vision_start_id for i, t in enumerate(ids)):
         raise ImageTokenMismatch("the prompt holds video tokens; videos are not supported (images only)")
-    runs = image_token_runs(ids, tokens.image_token_id, placeholders)
+    runs = image_token_runs(ids, tokens, placeholders)
     counts = images.features_per_image(tokens.spatial_merge_size) if images is not None else []
     n_tokens = sum(b - a for a, b in runs)
     if n_tokens != sum(counts):
