@@ -36,13 +36,16 @@ class DataConfig:
     eval_size: int = _f(256, "held-out prompts for eval", check=Range(low=0))
     teacher_carry_slip: float = _f(0.8, "arithmetic task: share of the warm start's addition demonstrations that "
                                         "carry whose teacher forgot the units carry (37+45=72): a systematic "
-                                        "error the exact-answer reward has to correct", check=Range(low=0, high=1))
+                                        "error the exact-answer reward has to correct; shapes task: share whose "
+                                        "teacher counted every shape, whatever its colour", check=Range(low=0, high=1))
     seed: int = _f(0, "seed for task generation and shuffling", check=SEED)
     task: str = _f("arithmetic", "built-in task when no train_files: arithmetic (one answer per prompt) | "
                                  "calculator (a multi-turn agent with an add tool: needs env.name, see "
                                  "examples/calculator_agent.yaml) | reasoning_gym:<dataset>[,<dataset>...] "
                                  "(reasoning-gym's generators, mixed round-robin, scored by its score_answer; "
-                                 "`pip install 'hybridrl[reasoning]'`)")
+                                 "`pip install 'hybridrl[reasoning]'`) | shapes (a picture of coloured shapes and "
+                                 "'How many red?': for a vision-language policy, model.arch=qwen2_5_vl / qwen3_vl, "
+                                 "see examples/shapes_vl.yaml)")
     reasoning_gym: dict = _f({}, "reasoning_gym task: generator settings per dataset, e.g. "
                                  "{chain_sum: {min_terms: 2, max_terms: 3}}")
     operand_digits: int = _f(7, "calculator task: digits of each number (and of their sum)",
@@ -61,8 +64,8 @@ class DataConfig:
                 check_task(self.task, self.reasoning_gym)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        elif self.task not in ("arithmetic", "calculator"):
-            raise ConfigError(f"data.task={self.task!r}: use arithmetic, calculator or reasoning_gym:<dataset>")
+        elif self.task not in ("arithmetic", "calculator", "shapes"):
+            raise ConfigError(f"data.task={self.task!r}: use arithmetic, calculator, shapes or reasoning_gym:<dataset>")
         elif self.reasoning_gym:
             raise ConfigError(f"data.reasoning_gym: settings for data.task=reasoning_gym:<dataset> only (the task is "
                               f"{self.task}); remove them or set the task")
