@@ -248,3 +248,22 @@ class RowImages:
 
     def to(self, *_args, **_kwargs) -> "RowImages":  # kept on the host; the forward moves pixels once
         return self
+
+
+def hf_vision_kwargs(input_ids: torch.Tensor, rows: Sequence[ImageInputs | None],
+                     tokens: VisionTokens) -> dict[str, torch.Tensor]:
+    """What a transformers Qwen-VL forward takes beside ``input_ids [B, L]`` (any padding) for
+    the rows' images: ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (1 at
+    the placeholders, which transformers' own ``get_rope_index`` reads); {} without images.
+    The warm start and the tests' references run the model this way."""
+    images = ImageInputs.concat(rows)
+    if images is None:
+        return {}
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    for b, row in enumerate(rows):
+        ids = input_ids[b].tolist()
+        for a, z in split_runs(ids, row, tokens):
+            types[b, a:z] = 1
+    dev = input_ids.device
+    return {"pixel_values": images.pixel_values.to(dev), "image_grid_thw": images.grid_thw.to(dev),
+            "mm_token_type_ids": types}

@@ -67,6 +67,19 @@ class Run:
         return self.step.actor.model
 
     @property
+    def train_images(self) -> list:
+        """The training prompts' images (a VL task), row-aligned; empty for a text task."""
+        return self.step.train_set.images
+
+    @property
+    def vision_tokens(self):
+        """The policy's ``VisionTokens`` (a VL policy), else None."""
+        from hybridrl.data.vision import VisionTokens
+
+        cfg = self.policy.config
+        return VisionTokens.from_hf_config(cfg) if getattr(cfg, "vision_config", None) is not None else None
+
+    @property
     def lora(self):
         """The policy's ``LoRAPolicy`` when it trains LoRA adapters (``model.lora.rank > 0``), else None."""
         return self.step.rollout.lora

@@ -60,7 +60,7 @@ def evaluate_prompts(rollout: RolloutWorker, scorer: RewardScorer, prompts: Prom
     """Greedy accuracy, and with ``k > 0`` pass@k / maj@k from ``k`` samples per prompt."""
     if not len(prompts):
         return EvalResult(accuracy=float("nan"))
-    greedy = rollout.greedy(prompts.prompts)
+    greedy = rollout.greedy(prompts.prompts, prompts.images)
     g_texts = scorer.tokenizer.batch_decode(greedy.response_token_ids, skip_special_tokens=True)
     g_batch = scorer.runner.score(g_texts, prompts.answers, prompts.prompt_texts)
     g_scores = g_batch.scores
@@ -75,7 +75,8 @@ def evaluate_prompts(rollout: RolloutWorker, scorer: RewardScorer, prompts: Prom
         sampling = rollout.sampling
         params = [dataclasses.replace(sampling, n=k, temperature=temperature, seed=rng.randrange(2**62))
                   for _ in prompts.prompts]
-        ro = rollout.engine.generate(prompts.prompts, params)
+        ro = (rollout.engine.generate(prompts.prompts, params, images=prompts.images) if prompts.images
+              else rollout.engine.generate(prompts.prompts, params))
         flat = scorer.tokenizer.batch_decode(ro.response_token_ids, skip_special_tokens=True)
         rows = [i for i in range(len(prompts)) for _ in range(k)]
         flat_batch = scorer.runner.score(flat, [prompts.answers[i] for i in rows],

@@ -68,6 +68,7 @@ def warm_start(run: Run, cfg: Config) -> None:
     multi-turn demonstrations, learned on the assistant's turns only (tool spans masked),
     and the teacher's choice (tool or not) is drawn afresh at every visit the same way.
     """
+    from hybridrl.data.vision import hf_vision_kwargs
     from hybridrl.job.sft import masked_sft_batch, sample_sft_batch, sft_batch
 
     t = cfg.trainer
@@ -80,14 +81,17 @@ def warm_start(run: Run, cfg: Config) -> None:
     if run.sft_demos is not None:
         def batch():
             demos = run.sft_demos.sample(rng, k, slip_rng)
-            return masked_sft_batch([d.ids for d in demos], [d.loss_mask for d in demos], pad_id)
+            return (*masked_sft_batch([d.ids for d in demos], [d.loss_mask for d in demos], pad_id), {})
     else:
         prompts, answers, slips = run.sft_pairs
+        images = run.train_images  # a VL task's prompt images (empty: text)
 
         def batch():
-            p, a = sample_sft_batch(rng, prompts, answers, k, slips=slips, slip_rate=cfg.data.teacher_carry_slip,
-                                    slip_rng=slip_rng)
-            return sft_batch(p, a, pad_id)
+            p, a, idx = sample_sft_batch(rng, prompts, answers, k, slips=slips,
+                                         slip_rate=cfg.data.teacher_carry_slip, slip_rng=slip_rng)
+            ids, mask, labels = sft_batch(p, a, pad_id)
+            vision = hf_vision_kwargs(ids, [images[i] for i in idx], run.vision_tokens) if images else {}
+            return ids, mask, labels, vision
     lora = run.lora  # LoRA: the warm start builds the base (adapters off), the RL trains the adapters
     training = lora.training_base() if lora is not None else contextlib.nullcontext(list(model.parameters()))
     with training as params:
@@ -110,8 +114,10 @@ def _warm_start_steps(run: Run, cfg: Config, model, params, batch, steps: int, d
     model.train()
     bar = progress_bar(range(steps), desc="warm start", enabled=cfg.logging.progress)
     for _ in bar:
-        ids, mask, labels = (x.to(device) for x in batch())
-        loss, _ = sft_step(model, opt, ids, mask, labels, cfg.optim.grad_clip)
+        ids, mask, labels, vision = batch()
+        ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+        vision = {name: x.to(device) for name, x in vision.items()}
+        loss, _ = sft_step(model, opt, ids, mask, labels, cfg.optim.grad_clip, vision)
         sched.step()
         bar.set_postfix(loss=f"{loss:.3f}")
 

@@ -24,9 +24,11 @@ def sft_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int):
     return ids, mask, labels
 
 
-def sft_step(model, optimizer, ids, mask, labels, grad_clip: float) -> tuple[float, float]:
-    """One supervised step; returns ``(loss, grad_norm)``."""
-    out = model(input_ids=ids, attention_mask=mask)
+def sft_step(model, optimizer, ids, mask, labels, grad_clip: float,
+             vision: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
+    """One supervised step; returns ``(loss, grad_norm)``. ``vision``: a VL policy's image
+    inputs of the rows (``data.vision.hf_vision_kwargs``)."""
+    out = model(input_ids=ids, attention_mask=mask, **(vision or {}))
     logits = out.logits[:, :-1].float()
     loss = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -40,7 +42,7 @@ def sft_step(model, optimizer, ids, mask, labels, grad_clip: float) -> tuple[flo
 def sample_sft_batch(rng: random.Random, prompts: list[list[int]], answers: list[list[int]], k: int, *,
                      slips: list[list[int] | None] | None = None, slip_rate: float = 0.0,
                      slip_rng: random.Random | None = None):
-    """``k`` (prompt, answer) pairs drawn with replacement.
+    """``k`` (prompt, answer) pairs drawn with replacement, and the rows drawn.
 
     With ``slip_rate > 0`` the demonstration of a row that has a slip (``slips[i]`` not
     None) is the slip instead, with that probability, drawn afresh at every visit from
@@ -51,7 +53,7 @@ def sample_sft_batch(rng: random.Random, prompts: list[list[int]], answers: list
         for j, i in enumerate(idx):
             if slips[i] is not None and slip_rng.random() < slip_rate:
                 out[j] = slips[i]
-    return [prompts[i] for i in idx], out
+    return [prompts[i] for i in idx], out, idx
 
 
 def masked_sft_batch(seqs: list[list[int]], loss_masks: list[list[int]], pad_id: int):

@@ -192,3 +192,26 @@ def check_engine_choice(cfg: Config) -> None:
         if bad:
             raise ConfigError(f"rollout.exact with {key}: not supported ({why}); set rollout.exact=false or "
                               "drop that setting")
+
+
+def check_vision_language(cfg: Config, hf_config) -> None:
+    """What a vision-language policy (``hf_config`` has a ``vision_config``) cannot be run
+    with yet, one line each with the reason; nothing for a text model. Checked once the
+    model's config is known (a checkpoint's is read at build), before the engine is built."""
+    if getattr(hf_config, "vision_config", None) is None:
+        return
+    from hybridrl.config.base import ConfigError
+
+    unsupported = {
+        "rollout.exact": (cfg.rollout.exact, "the exact engine samples through generate() without image inputs; "
+                                             "its successor, the batch-invariant built-in engine, is #46"),
+        "algo.advantage.estimator=gae": (cfg.algo.advantage.estimator == "gae",
+                                         "the critic is a text value model; use a critic-free estimator (grpo, "
+                                         "rloo, reinforce_plus_plus, ...)"),
+        "algo.distill.teacher": (cfg.algo.distill.teacher is not None, "the teacher scores token ids without the "
+                                                                       "images"),
+    }
+    for key, (bad, why) in unsupported.items():
+        if bad:
+            raise ConfigError(f"a vision-language policy ({hf_config.model_type}) with {key}: not supported ({why}); "
+                              "drop that setting or use a text model")

@@ -36,15 +36,19 @@ from hybridrl.trainer.step_batch import StepBatch
 class SingleTurnGroups:
     kind = "single-turn"
 
-    def __init__(self, train_set, scorer, sampling, *, pad_id: int, teacher=None):
+    def __init__(self, train_set, scorer, sampling, *, pad_id: int, teacher=None, vision_ids: tuple[int, ...] = ()):
+        """``vision_ids``: a VL policy's vision special tokens: a sample that emitted one (the
+        engines stop there) is kept in its group but masked out of the loss."""
         self.train_set, self.scorer, self.sampling, self.pad_id = train_set, scorer, sampling, pad_id
         self.n = sampling.n
         self.teacher = teacher  # a trainer.teacher.Teacher, or None
+        self.vision_ids = frozenset(vision_ids)
 
     def work(self, row: int, seed: int, keys: list[str]) -> list[SampleWork]:
-        """Sample ``j`` of the group is the request ``keys[j]``, seeded ``request_seed(seed, j)``."""
-        prompt = self.train_set.prompts[row]
-        return [SampleWork(key, prompt, dataclasses.replace(self.sampling, n=1, seed=request_seed(seed, j)))
+        """Sample ``j`` of the group is the request ``keys[j]``, seeded ``request_seed(seed, j)``
+        (with the prompt's images, for a VL policy)."""
+        prompt, images = self.train_set.prompts[row], self.train_set.images_of(row)
+        return [SampleWork(key, prompt, dataclasses.replace(self.sampling, n=1, seed=request_seed(seed, j)), images)
                 for j, key in enumerate(keys)]
 
     def score(self, row: int, outputs: list) -> RewardBatch:
@@ -56,7 +60,11 @@ class SingleTurnGroups:
 
     def assemble(self, rows: list[int], outputs: list[list], rewards: list[RewardBatch],
                  device: torch.device) -> StepBatch:
-        ro = rollouts_to_device(rollouts_from_outputs([o for group in outputs for o in group], self.pad_id), device)
+        flat = [o for group in outputs for o in group]
+        ro = rollouts_to_device(rollouts_from_outputs(flat, self.pad_id), device)
+        for b, o in enumerate(flat):
+            if self.vision_ids and o.token_ids and o.token_ids[-1] in self.vision_ids:
+                ro.response_mask[b] = 0.0  # a sampled vision token: never a placeholder, never trained
         sb = StepBatch.from_groups(rows, self.n, ro)
         _set_rewards(sb, RewardBatch.concat(rewards))
         return sb

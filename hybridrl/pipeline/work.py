@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Union
 
+from hybridrl.data.vision import ImageInputs
 from hybridrl.rollout.backend import pad_step
 from hybridrl.rollout.requests import RequestOutput
 from hybridrl.rollout.sampling_params import SamplingParams
@@ -32,11 +33,12 @@ from hybridrl.rollout.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SampleWork:
-    """One sample (``params.n == 1``, seeded) of a prompt."""
+    """One sample (``params.n == 1``, seeded) of a prompt (and its images, for a VL policy)."""
 
     key: str
     prompt: list[int]
     params: SamplingParams
+    images: ImageInputs | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,10 @@ class WorkRunner:
                                      "(env.name): the run's producers are built from one config")
                 self.episodes.add(w.key, w.row, w.seed)
             elif self.requests_api:
-                self.engine.add_request(w.key, w.prompt, w.params)
+                if w.images is None:
+                    self.engine.add_request(w.key, w.prompt, w.params)
+                else:
+                    self.engine.add_request(w.key, w.prompt, w.params, images=w.images)
                 self._samples.add(w.key)
             else:
                 self._queued.append(w)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridrl.data.vision import ImageInputs
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -40,6 +42,8 @@ class RequestOutput:
     """prompt tokens whose KV came from the parent's cache instead of a prefill."""
     routed_experts: torch.Tensor | None = None
     """MoE routing record: ``[len(prompt) + len(tokens), n_moe_layers, k]`` int16, -1 = not fed."""
+    images: ImageInputs | None = None
+    """the request's images (a VL policy's prompt), as they were added; None for text."""
 
 
 @dataclass

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridrl.data.vision import RowImages
+
 
 @dataclass
 class Rollouts:
@@ -35,6 +37,8 @@ class Rollouts:
     """MoE with routing record: [B, L, n_moe_layers, k] int16 expert ids per fed token, -1 = none."""
     token_versions: torch.Tensor | None = None
     """[B, L] long: the weight version that sampled each response token, -1 elsewhere."""
+    images: RowImages | None = None
+    """a VL policy's rows: each row's prompt images (``data/vision.py``), None for text."""
 
     def response_versions(self) -> set[int]:
         """Every weight version that sampled a token of these rollouts."""
@@ -53,6 +57,8 @@ def rollouts_from_outputs(outputs, pad_token_id: int = 0) -> Rollouts:
     tv = torch.full_like(ro.input_ids, -1)
     tv[ro.response_mask.bool()] = torch.tensor([x for v in versions for x in v], dtype=torch.long)
     ro.token_versions = tv
+    if any(o.images is not None for o in outputs):
+        ro.images = RowImages([o.images for o in outputs])
     if outputs and outputs[0].routed_experts is not None:
         from hybridrl.rollout.routing import stack_routing
         ro.routed_experts = stack_routing([o.routed_experts for o in outputs], ro.input_ids.shape[1])

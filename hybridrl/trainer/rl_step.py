@@ -242,21 +242,27 @@ class RLStep:
             if self.shape.exact_recompute:
                 metrics.update(self._check_exact(sb))
         elif self.needs_old_log_prob():
-            sb.tensors["old_log_prob"], _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask,
-                                                                        ro.response_mask,
-                                                                        routed_experts=ro.routed_experts)
+            sb.tensors["old_log_prob"] = self._policy_log_probs(ro)
         self._steps_done += 1
         k = self.shape.mismatch_report_every
         if k and self._steps_done % k == 0:
             metrics.update(self._mismatch_metrics(sb))
         if self.reference is not None:
+            vision = {} if ro.images is None else {"images": ro.images}
             ref = self.reference.log_probs(ro.input_ids, ro.attention_mask, ro.response_mask,
-                                           routed_experts=ro.routed_experts)
+                                           routed_experts=ro.routed_experts, **vision)
             sb.tensors["ref_log_prob"] = ref
             # KL of the sampling policy to the reference (the engine's log-probs are the policy's)
             kl = algos.kl_penalty(ro.logprobs, ref, self.algo.kl.estimator)
             metrics["actor/kl"] = float(algos.masked_mean(kl, ro.response_mask))
         return metrics
+
+    def _policy_log_probs(self, ro) -> torch.Tensor:
+        """The current weights' no-grad log-probs ``[B, L]`` of the rows (the engine's routing
+        replayed, the rows' images seen)."""
+        vision = {} if ro.images is None else {"images": ro.images}
+        return self.actor.compute_log_prob(ro.input_ids, ro.attention_mask, ro.response_mask,
+                                           routed_experts=ro.routed_experts, **vision)[0]
 
     def _mismatch_metrics(self, sb: StepBatch) -> dict[str, float]:
         """trainer.mismatch_report_every: the gap between the rollout's log-probs and the
@@ -266,8 +272,7 @@ class RLStep:
         ro = sb.rollouts
         old = sb.tensors.get("old_log_prob")
         if old is None:
-            old, _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask, ro.response_mask,
-                                                 routed_experts=ro.routed_experts)
+            old = self._policy_log_probs(ro)
         g = token_gap(old, ro.logprobs, ro.response_mask)
         return {"mismatch/kl": g["kl"], "mismatch/max_abs": g["max_abs"], "mismatch/frac_over_1e-3": g["frac_over_1e-3"]}
 
@@ -275,8 +280,7 @@ class RLStep:
         """rollout.exact_recompute: the old-log-prob pass, required equal to the rollout's bits;
         the recomputed values are the ones trained on (identical when the check passes)."""
         ro = sb.rollouts
-        old, _ = self.actor.compute_log_prob(ro.input_ids, ro.attention_mask, ro.response_mask,
-                                             routed_experts=ro.routed_experts)
+        old = self._policy_log_probs(ro)
         mask = ro.response_mask.bool()
         differ = int((old[mask] != ro.logprobs[mask]).sum())
         if differ:

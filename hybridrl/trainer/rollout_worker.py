@@ -41,13 +41,17 @@ class RolloutWorker:
     @classmethod
     def from_config(cls, engine: RolloutBackend, rollout: RolloutConfig, refit: RefitConfig, *,
                     eos_token_id: int | None, device: torch.device, sharded: bool = False, mesh=None,
-                    lora=None) -> RolloutWorker:
-        """The run's worker: ``rollout.*`` sampling (stopping at ``eos_token_id``) and ``refit.*``;
-        ``sharded``: the policy is FSDP2-sharded for RL (several ranks)."""
+                    lora=None, vision_ids: tuple[int, ...] = ()) -> RolloutWorker:
+        """The run's worker: ``rollout.*`` sampling (stopping at ``eos_token_id``, and at a VL
+        policy's ``vision_ids``: a sampled vision token ends the sample, see ``data/vision.py``)
+        and ``refit.*``; ``sharded``: the policy is FSDP2-sharded for RL (several ranks)."""
         spec = WeightSyncSpec(bucket_bytes=refit.bucket_mb << 20, verify=refit.verify, sharded=sharded,
                               tensor_parallel=mesh is not None and mesh.tp.size > 1, lora=lora,
                               lora_mode=rollout.lora_mode)
-        return cls(engine, sampling_params(rollout, eos_token_id), device=device, sync=spec, mesh=mesh)
+        sampling = sampling_params(rollout, eos_token_id)
+        if vision_ids:
+            sampling = dataclasses.replace(sampling, stop_token_ids=(*sampling.stop_token_ids, *vision_ids))
+        return cls(engine, sampling, device=device, sync=spec, mesh=mesh)
 
     @property
     def version(self) -> int:
@@ -71,10 +75,12 @@ class RolloutWorker:
         params = [dataclasses.replace(self.sampling, seed=s) for s in seeds]
         return rollouts_to_device(self.engine.generate(prompts, params), self.device)
 
-    def greedy(self, prompts: list[list[int]]) -> Rollouts:
-        """One greedy response per prompt (eval, ReMax baselines)."""
+    def greedy(self, prompts: list[list[int]], images: list | None = None) -> Rollouts:
+        """One greedy response per prompt (eval, ReMax baselines); ``images``: per prompt (VL)."""
         params = SamplingParams(temperature=0.0, max_tokens=self.sampling.max_tokens,
                                 stop_token_ids=self.sampling.stop_token_ids)
+        if images:
+            return self.engine.generate(prompts, params, images=images)
         return self.engine.generate(prompts, params)
 
 

@@ -31,5 +31,5 @@ class RewardScorer:
 
 def greedy_scores(rollout: RolloutWorker, scorer: RewardScorer, prompts: PromptSet) -> list[float]:
     """The reward of each prompt's greedy response (held-out eval; ReMax's baseline)."""
-    out = rollout.greedy(prompts.prompts)
+    out = rollout.greedy(prompts.prompts, prompts.images)
     return scorer.score(out.response_token_ids, prompts.answers, prompts.prompt_texts).scores

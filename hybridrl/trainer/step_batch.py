@@ -46,9 +46,12 @@ class StepBatch:
 
     def update_batch(self, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """What Actor/Critic.update read: the per-row tensors and ``response_mask`` = the
-        loss mask (the sampled mask before any correction ran), rows ``keep`` (default all)."""
+        loss mask (the sampled mask before any correction ran), and a VL policy's ``images``
+        (``RowImages``), rows ``keep`` (default all)."""
         mask = self.loss_mask if self.loss_mask is not None else self.rollouts.response_mask
         batch = {**self.tensors, "response_mask": mask}
+        if self.rollouts.images is not None:  # a VL policy's rows: RowImages, indexed like the tensors
+            batch["images"] = self.rollouts.images
         return batch if keep is None else {k: v[keep] for k, v in batch.items()}
 
 

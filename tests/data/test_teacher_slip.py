@@ -47,8 +47,8 @@ def test_slips_replace_only_slippable_rows_at_the_rate_and_leave_batches_unchang
     rng_a, rng_b, slip_rng = random.Random(seed), random.Random(seed), random.Random(seed + 1)
     slipped = total = 0
     for _ in range(200):
-        p_plain, a_plain = sample_sft_batch(rng_a, prompts, answers, 32)
-        p, a = sample_sft_batch(rng_b, prompts, answers, 32, slips=slips, slip_rate=rate, slip_rng=slip_rng)
+        p_plain, a_plain, _ = sample_sft_batch(rng_a, prompts, answers, 32)
+        p, a, _ = sample_sft_batch(rng_b, prompts, answers, 32, slips=slips, slip_rate=rate, slip_rng=slip_rng)
         assert p == p_plain  # the same prompts: the slip draws use their own stream
         for prompt, got, want in zip(p, a, a_plain):
             i = prompts.index(prompt)
@@ -61,6 +61,6 @@ def test_slips_replace_only_slippable_rows_at_the_rate_and_leave_batches_unchang
     assert abs(slipped / total - rate) < 0.05  # ~4,000 draws: 5 standard errors
     every = sample_sft_batch(random.Random(seed), prompts, answers, 64, slips=slips, slip_rate=1.0,
                              slip_rng=random.Random(2))
-    for prompt, got in zip(*every):
+    for prompt, got in zip(*every[:2]):
         i = prompts.index(prompt)
         assert got == (answers[i] if slips[i] is None else slips[i])
