@@ -17,7 +17,9 @@ assistant turns; some drop the separator after the end-of-turn token).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+from hybridrl.data.vision import ImageInputs
 
 _STAND_IN = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
@@ -31,11 +33,15 @@ class ChatRenderer:
     passed to the template (``tools=``); ``end_of_turn_id``: the token that ends an
     assistant turn (default: the one the template puts after an assistant message)."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, end_of_turn_id: int | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, end_of_turn_id: int | None = None,
+                 vision: Callable[[list[int], list], tuple[list[int], ImageInputs | None]] | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError(f"the tokenizer {type(tokenizer).__name__} has no chat template; agents render "
                                 "messages with it: set tokenizer.chat_template (or use a chat model's tokenizer)")
         self.tokenizer, self.tools = tokenizer, tools
+        # a VL policy's image step: (ids with one <|image_pad|> per image, the images) -> (ids with
+        # each image's feature count of pads, ImageInputs); None: a text policy
+        self.vision = vision
         self.end_of_turn_id = end_of_turn_id if end_of_turn_id is not None else self._find_end_of_turn()
         before = self._ids(_STAND_IN, generation_prompt=False)
         self._cut = _last_index(before, self.end_of_turn_id) + 1  # the stand-in history ends here
@@ -71,6 +77,26 @@ class ChatRenderer:
             raise TemplateError("the chat template renders an earlier turn differently once messages follow it; "
                                 "it cannot be used token-in/token-out (check_template says how)")
         return after[self._cut:]
+
+    def opening_images(self, messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
+        """:meth:`opening` of messages whose content may hold images (``{"type": "image",
+        "image": <PIL image | bytes | path>}`` items): the ids and the images they hold."""
+        return self._with_images(self.opening(messages), messages)
+
+    def continuation_images(self, messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
+        """:meth:`continuation` of messages that may hold images (an environment's or a tool's
+        picture): the ids to append and the images they hold, in order."""
+        return self._with_images(self.continuation(messages), messages)
+
+    def _with_images(self, ids: list[int], messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
+        pictures = [item.get("image") for m in messages if isinstance(m.get("content"), list)
+                    for item in m["content"] if isinstance(item, dict) and item.get("type") == "image"]
+        if not pictures:
+            return ids, None
+        if self.vision is None:
+            raise TemplateError(f"a message holds {len(pictures)} image(s) but the policy is a text model; "
+                                "use a vision-language model (model.arch=qwen2_5_vl / qwen3_vl) or send text")
+        return self.vision(ids, pictures)
 
     def text(self, sampled: list[int]) -> str:
         """A turn's text for the environment: its sampled ids without the end-of-turn token."""

@@ -46,6 +46,7 @@ from hybridrl.agents.env_calls import END, ERROR, RESET, STEP, EnvCall, EnvCalle
 from hybridrl.agents.episode_limits import EpisodeLimits, budgeted, turn_sampling
 from hybridrl.agents.trajectory import Trajectory
 from hybridrl.agents.types import EnvStep
+from hybridrl.data.vision import ImageInputs
 from hybridrl.rollout.sampling_params import SamplingParams
 
 SEED_MIX = 1_000_003  # turn k of an episode seeded s samples with seed (s * SEED_MIX + k) % 2**62
@@ -235,9 +236,14 @@ class EpisodeDriver:
 
     # ---- the episode's life ---------------------------------------------------------------
     def _opened(self, e: _Episode, res: EnvStep, seconds: float) -> None:
-        messages = res.messages if res.failure is None and res.messages else [
-            {"role": "user", "content": str(e.row.get("prompt", ""))}]
-        e.traj = Trajectory(e.episode_id, e.row_index, self.renderer.opening(messages))
+        fallback = [{"role": "user", "content": str(e.row.get("prompt", ""))}]
+        messages = res.messages if res.failure is None and res.messages else fallback
+        try:
+            ids, images = self.renderer.opening_images(messages)
+        except ValueError as err:  # a bad picture (or a text policy given one) costs this episode only
+            ids, images = self.renderer.opening(fallback), None
+            res = dataclasses.replace(res, failure=f"opening message: {err}")
+        e.traj = Trajectory(e.episode_id, e.row_index, ids, images=images)
         e.traj.env_seconds += seconds
         if res.failure is not None:
             self._end(e, "failed", res.failure)
@@ -268,12 +274,19 @@ class EpisodeDriver:
             self._release_parent(e)
             self._end(e, "failed" if res.failure is not None else "ok", res.failure)
             return
-        cont = self.renderer.continuation(budgeted(res.messages, self.limits.tool_response_tokens, self.tokenizer))
+        try:
+            cont, images = self.renderer.continuation_images(
+                budgeted(res.messages, self.limits.tool_response_tokens, self.tokenizer))
+        except ValueError as err:  # a bad picture from the environment costs this episode only
+            self._release_parent(e)
+            self._end(e, "failed", f"environment message: {err}")
+            return
         if t.num_turns >= self.limits.max_turns or len(t.ids) + len(cont) + 1 >= self.context:
             self._release_parent(e)
             self._end(e, "truncated", None)
             return
         t.add_observed(cont)
+        t.images = ImageInputs.concat([t.images, images])
         self._submit(e, parent=e.parent)
 
     def _submit(self, e: _Episode, parent: str | None) -> None:
@@ -282,7 +295,8 @@ class EpisodeDriver:
         params = dataclasses.replace(self.sampling, max_tokens=min(self.sampling.max_tokens, self.context - len(ids)),
                                      seed=(e.seed * SEED_MIX + turn) % 2**62)
         self._by_request[e.request_id] = e
-        self.engine.add_request(e.request_id, ids, params, parent=parent, retain=True)
+        vision = {} if e.traj.images is None else {"images": e.traj.images}  # every image of ids, in order
+        self.engine.add_request(e.request_id, ids, params, parent=parent, retain=True, **vision)
 
     def _release_parent(self, e: _Episode) -> None:
         self.engine.release(e.parent)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridrl.data.vision import ImageInputs, RowImages
 from hybridrl.rollout.rollouts import Rollouts, build_rollouts
 
 STATUSES = ("ok", "truncated", "failed")
@@ -41,6 +42,9 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
     env_seconds: float = 0.0
+    images: ImageInputs | None = None
+    """every image in ``ids`` (the opening's and the environment's), in order: what the
+    engine was given with the last turn (a VL policy); None for text."""
 
     def __post_init__(self):
         if not self.ids:
@@ -91,6 +95,8 @@ def trajectories_to_rollouts(trajs: list[Trajectory], pad_token_id: int = 0) -> 
         tv[b, :len(t.ids)] = torch.tensor(t.versions, dtype=torch.long)
     ro.response_mask, ro.token_versions = mask, tv
     ro.logprobs = ro.logprobs * mask  # 0.0 off the sampled tokens (build_rollouts filled every "response" slot)
+    if any(t.images is not None for t in trajs):
+        ro.images = RowImages([t.images for t in trajs])
     return ro
 
 
