@@ -69,7 +69,8 @@ class Run:
     @property
     def train_images(self) -> list:
         """The training prompts' images (a VL task), row-aligned; empty for a text task."""
-        return self.step.train_set.images
+        images = self.step.train_set.images
+        return images if any(i is not None for i in images) else []
 
     @property
     def vision_tokens(self):

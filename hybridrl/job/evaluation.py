@@ -75,8 +75,8 @@ def evaluate_prompts(rollout: RolloutWorker, scorer: RewardScorer, prompts: Prom
         sampling = rollout.sampling
         params = [dataclasses.replace(sampling, n=k, temperature=temperature, seed=rng.randrange(2**62))
                   for _ in prompts.prompts]
-        ro = (rollout.engine.generate(prompts.prompts, params, images=prompts.images) if prompts.images
-              else rollout.engine.generate(prompts.prompts, params))
+        vision = {"images": prompts.images} if any(i is not None for i in prompts.images) else {}
+        ro = rollout.engine.generate(prompts.prompts, params, **vision)
         flat = scorer.tokenizer.batch_decode(ro.response_token_ids, skip_special_tokens=True)
         rows = [i for i in range(len(prompts)) for _ in range(k)]
         flat_batch = scorer.runner.score(flat, [prompts.answers[i] for i in rows],

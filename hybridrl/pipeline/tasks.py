@@ -47,7 +47,8 @@ class SingleTurnGroups:
     def work(self, row: int, seed: int, keys: list[str]) -> list[SampleWork]:
         """Sample ``j`` of the group is the request ``keys[j]``, seeded ``request_seed(seed, j)``
         (with the prompt's images, for a VL policy)."""
-        prompt, images = self.train_set.prompts[row], self.train_set.images_of(row)
+        t = self.train_set
+        prompt, images = t.prompts[row], (t.images[row] if t.images else None)
         return [SampleWork(key, prompt, dataclasses.replace(self.sampling, n=1, seed=request_seed(seed, j)), images)
                 for j, key in enumerate(keys)]
 

@@ -79,7 +79,7 @@ class RolloutWorker:
         """One greedy response per prompt (eval, ReMax baselines); ``images``: per prompt (VL)."""
         params = SamplingParams(temperature=0.0, max_tokens=self.sampling.max_tokens,
                                 stop_token_ids=self.sampling.stop_token_ids)
-        if images:
+        if images and any(i is not None for i in images):
             return self.engine.generate(prompts, params, images=images)
         return self.engine.generate(prompts, params)
 
