@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridrl.config import Config, DataConfig
 from hybridrl.distributed.context import DistContext
-from hybridrl.pipeline.engines import build_engine, check_engine_choice
+from hybridrl.pipeline.engines import build_engine, check_engine_choice, check_vision_language
 from hybridrl.job.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
@@ -87,8 +87,8 @@ class Run:
 
     def describe_model(self) -> str:
         n = sum(p.numel() for p in self.policy.parameters())
-        c = self.policy.config
-        text = f"{c.model_type}, {n / 1e6:.2f}M params, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+        c, lm = self.policy.config, self.policy.config.get_text_config()  # a VL model's language part
+        text = f"{c.model_type}, {n / 1e6:.2f}M params, {lm.num_hidden_layers} layers, hidden {lm.hidden_size}"
         return text if self.lora is None else f"{text}, {self.lora.describe()}"
 
 
@@ -124,6 +124,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     dtype = DTYPES[m.dtype]
     agent_task = cfg.data.task == "calculator" and not cfg.data.train_files
     gym_task = cfg.data.task.startswith("reasoning_gym:") and not cfg.data.train_files
+    shapes_task = cfg.data.task == "shapes" and not cfg.data.train_files
     if m.path:
         model, tokenizer = load_pretrained(m.path, dtype)
     elif agent_task:  # chat markers as tokens, a chat template with tools; positions for a whole episode
@@ -138,8 +139,10 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         model = builtin_model(tokenizer, m, seed=t.seed,
                               max_position_embeddings=max(128, cfg.data.max_prompt_length + cfg.rollout.max_tokens))
     else:
-        tokenizer = builtin_tokenizer()
-        model = builtin_model(tokenizer, m, seed=t.seed)
+        tokenizer = builtin_tokenizer(m.arch)  # a VL arch: the chat tokenizer with the vision markers
+        model = builtin_model(tokenizer, m, seed=t.seed, max_position_embeddings=128 if not shapes_task else
+                              max(128, cfg.data.max_prompt_length + cfg.rollout.max_tokens))
+    check_vision_language(cfg, model.config)
     device = dp.device if dp is not None else torch.device(t.device)
     model.to(device)
     sft = demos = None
@@ -151,6 +154,10 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
         train_set, eval_set, demos = calculator_data(cfg, tokenizer)
     elif gym_task:
         train_set, eval_set, sft = _reasoning_gym_data(cfg, tokenizer, console)
+    elif shapes_task:
+        from hybridrl.job.vl_data import shapes_data
+
+        train_set, eval_set, sft = shapes_data(cfg, tokenizer, model.config)
     else:
         train_set, eval_set, sft = _arithmetic_data(cfg, tokenizer)
     if len(train_set) < cfg.batch.prompts_per_step:
