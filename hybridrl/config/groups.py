@@ -30,6 +30,16 @@ class DataConfig:
     max_prompt_length: int = _f(512, "prompts longer than this (in tokens) are skipped and counted", check=Range(low=1))
     system_prompt: str | None = _f(None, "a system message prepended to chat prompts (a text prompt gets it as a "
                                          "first line); null = none")
+    image_key: str = _f("images", "vision-language models: column holding a row's images (file paths relative to "
+                                  "the data file, bytes, or a `datasets` Image column), one per image item of the "
+                                  "chat prompt, in order")
+    min_pixels: int = _f(56 * 56, "vision-language models: smaller images are upscaled to this many pixels",
+                         check=Range(low=1))
+    max_pixels: int = _f(28 * 28 * 1280, "vision-language models: a row with an image of more pixels (width x "
+                                         "height) is skipped and counted; resize such images offline",
+                         check=Range(low=1))
+    max_images: int = _f(16, "vision-language models: a row with more images is skipped and counted",
+                         check=Range(low=1))
     num_digits: int = _f(2, "arithmetic task: digits per operand")
     operations: str = _f("+", "arithmetic task: operators to draw from, any of '+-*'")
     train_size: int = _f(20000, "arithmetic task: number of training prompts", check=Range(low=1))
@@ -73,6 +83,8 @@ class DataConfig:
         bad = set(self.operations) - set("+-*")
         if bad or not self.operations:
             raise ConfigError(f"data.operations={self.operations!r}: use a non-empty subset of '+-*'")
+        if self.min_pixels > self.max_pixels:
+            raise ConfigError(f"data.min_pixels={self.min_pixels} exceeds data.max_pixels={self.max_pixels}")
         if not 1 <= self.num_digits <= 6:
             raise ConfigError(f"data.num_digits={self.num_digits}: use 1..6")
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from hybridrl.config.base import ConfigError, Range, _f, check_ranges
 
-BUILTIN_ARCHS = ("qwen2", "deepseek_v3", "deepseek_v4")
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")  # vision-language: a vision tower + a Qwen language model
+BUILTIN_ARCHS = ("qwen2", "deepseek_v3", "deepseek_v4", *VL_ARCHS)
 
 
 # every family's attention and MLP projections: Qwen2/Llama/Qwen3 (q/k/v/o), DeepSeek-V3
@@ -55,7 +56,9 @@ class ModelConfig:
     path: str | None = _f(None, "local Hugging Face checkpoint dir (model + tokenizer); None = built-in tiny model")
     arch: str = _f("qwen2", "built-in model's family: qwen2 (GQA, dense) | deepseek_v3 (multi-head latent "
                             "attention + DeepSeekMoE, the DeepSeek-V3/R1, Kimi-K2 architecture) | deepseek_v4 "
-                            "(compressed sparse attention, hyper-connections; rollout routing replay not yet)")
+                            "(compressed sparse attention, hyper-connections; rollout routing replay not yet) | "
+                            "qwen2_5_vl / qwen3_vl (vision-language: a small vision tower, patch 14 / 16, "
+                            "merge 2, and a Qwen2 / Qwen3 language model of these sizes)")
     hidden_size: int = _f(128, "built-in model: hidden size", check=Range(low=1))
     num_hidden_layers: int = _f(2, "built-in model: decoder layers", check=Range(low=1))
     num_attention_heads: int = _f(4, "built-in model: attention heads", check=Range(low=1))
@@ -66,7 +69,14 @@ class ModelConfig:
     # that gets a tied model to 61%.
     tie_word_embeddings: bool = _f(False, "built-in model: share the input embedding and lm_head")
     dtype: str = _f("float32", "trainer dtype: float32 | bfloat16")
+    freeze_vision: bool = _f(False, "vision-language models: keep the vision tower (and its merger) fixed: no "
+                                    "gradient, not in the optimizer (verl's freeze_vision_tower; default trains it)")
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    @property
+    def is_vision_language(self) -> bool:
+        """The built-in arch is a vision-language model (a checkpoint's kind comes from its config)."""
+        return self.arch in VL_ARCHS
 
     @property
     def torch_dtype(self):

@@ -1,7 +1,10 @@
 """Prompt datasets from jsonl or parquet files.
 
 A row needs a prompt column (plain text, or a list of chat messages rendered with the
-tokenizer's chat template) and may have an answer column passed to the reward.
+tokenizer's chat template) and may have an answer column passed to the reward. For a
+vision-language model (``vision=VLPromptRenderer``, see ``vl_prompts.py``) a chat prompt may
+hold image items, its images inline or in the image column; a bad image skips the row with
+its reason (missing file, undecodable, too large, too many), text-only rows load as before.
 Bad rows (invalid UTF-8 or JSON, missing prompt, wrong type, too long) are skipped and
 counted by reason, with the ``file:line`` of each reason's first row, never fatal. A file
 that cannot be read at all (missing, unreadable, not parquet) is a one-line ValueError.
@@ -15,12 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.data.vision import ImageInputs
+from hybridrl.data.vl_prompts import BadImage, VLPromptRenderer
+
 
 @dataclass
 class PromptRecord:
     prompt_ids: list[int]
     answer: Any
     source: str  # "file:row" for error messages
+    images: ImageInputs | None = None  # a vision-language prompt's images (its ids hold their tokens)
 
 
 INVALID_UTF8 = "invalid UTF-8"
@@ -125,6 +132,11 @@ def with_system_prompt(prompt: Any, system_prompt: str | None) -> Any:
     return prompt
 
 
+def _is_chat(prompt: Any) -> bool:
+    return bool(isinstance(prompt, list) and prompt
+                and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+
+
 def render_prompt(tokenizer, prompt: Any) -> list[int] | None:
     """Token ids for a text prompt or a chat-message list (None when malformed)."""
     if isinstance(prompt, str):
@@ -132,9 +144,7 @@ def render_prompt(tokenizer, prompt: Any) -> list[int] | None:
         if tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id] + ids
         return ids
-    is_chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                         for m in prompt)
-    if is_chat:
+    if _is_chat(prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise NoChatTemplate("chat-message prompts need a tokenizer with a chat_template; "
                                  "add one to the checkpoint's tokenizer_config.json or use text prompts")
@@ -143,30 +153,58 @@ def render_prompt(tokenizer, prompt: Any) -> list[int] | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """How a file's rows are read: the columns, the length bound, the tokenizer and, for a
+    vision-language model, the prompt renderer; ``base_dir``: where image paths start."""
+
+    tokenizer: Any
+    prompt_key: str
+    answer_key: str
+    max_prompt_length: int
+    vision: VLPromptRenderer | None
+    base_dir: Path
+
+
 def load_prompt_files(files: list[str], tokenizer, *, prompt_key: str, answer_key: str,
-                      max_prompt_length: int, system_prompt: str | None = None
-                      ) -> tuple[list[PromptRecord], LoadReport]:
+                      max_prompt_length: int, system_prompt: str | None = None,
+                      vision: VLPromptRenderer | None = None) -> tuple[list[PromptRecord], LoadReport]:
+    """Prompt records of ``files`` and the report of what was skipped. ``vision``: render chat
+    prompts with images for a vision-language model (each record's ``images``)."""
     records: list[PromptRecord] = []
     report = LoadReport()
     for name in files:
         path = Path(name)
         if not path.exists():
             raise ValueError(f"data file {name}: not found; check data.train_files / data.val_files")
+        cols = _Columns(tokenizer, prompt_key, answer_key, max_prompt_length, vision,
+                        path if path.is_dir() else path.parent)
         try:
             for row_no, row in _read_rows(path):
                 if system_prompt and isinstance(row, dict) and prompt_key in row:
                     row = {**row, prompt_key: with_system_prompt(row[prompt_key], system_prompt)}
-                _add_row(row, f"{name}:{row_no}", tokenizer, prompt_key, answer_key, max_prompt_length,
-                         records, report)
+                _add_row(row, f"{name}:{row_no}", cols, records, report)
         except OSError as e:  # unreadable (permissions, I/O error): the file, not a row
             raise ValueError(f"data file {name}: cannot read it ({e.strerror or e}); "
                              "check its permissions") from e
     return records, report
 
 
-def _add_row(row: Any, src: str, tokenizer, prompt_key: str, answer_key: str, max_prompt_length: int,
-             records: list[PromptRecord], report: LoadReport) -> None:
+def _render(row: dict, cols: _Columns) -> tuple[list[int] | None, ImageInputs | None]:
+    """The prompt's ids (None when malformed) and images; :class:`BadImage` for a bad image."""
+    prompt = row[cols.prompt_key]
+    if cols.vision is not None and _is_chat(prompt):
+        if not getattr(cols.tokenizer, "chat_template", None):
+            raise NoChatTemplate("chat-message prompts need a tokenizer with a chat_template; "
+                                 "add one to the checkpoint's tokenizer_config.json or use text prompts")
+        images = cols.vision.row_images(prompt, row.get(cols.vision.image_key), cols.base_dir)
+        return cols.vision.render(prompt, images)
+    return render_prompt(cols.tokenizer, prompt), None
+
+
+def _add_row(row: Any, src: str, cols: _Columns, records: list[PromptRecord], report: LoadReport) -> None:
     """Append ``row`` to ``records``, or count why it is skipped."""
+    tokenizer, prompt_key, answer_key = cols.tokenizer, cols.prompt_key, cols.answer_key
     if isinstance(row, _Unparsed):
         report.skip(row.reason, src)
         return
@@ -176,10 +214,14 @@ def _add_row(row: Any, src: str, tokenizer, prompt_key: str, answer_key: str, ma
     if prompt_key not in row:
         report.skip(f"no '{prompt_key}' column", src)
         return
+    images = None
     try:
-        ids = render_prompt(tokenizer, row[prompt_key])
+        ids, images = _render(row, cols)
     except NoChatTemplate as e:
         raise NoChatTemplate(f"{src}: {e}") from None  # a setup problem, not a bad row
+    except BadImage as e:
+        report.skip(str(e), src)
+        return
     except Exception:  # noqa: BLE001 - a malformed row is skipped and counted, never fatal
         ids = None
     if ids is None:
@@ -188,10 +230,10 @@ def _add_row(row: Any, src: str, tokenizer, prompt_key: str, answer_key: str, ma
     if not ids or (tokenizer.bos_token_id is not None and ids == [tokenizer.bos_token_id]):
         report.skip("empty prompt", src)
         return
-    if len(ids) > max_prompt_length:
+    if len(ids) > cols.max_prompt_length:
         report.skip("longer than data.max_prompt_length", src)
         return
     if row.get(answer_key) is None:
         report.skipped_answer += 1
-    records.append(PromptRecord(ids, row.get(answer_key), src))
+    records.append(PromptRecord(ids, row.get(answer_key), src, images))
     report.loaded += 1

@@ -1,16 +1,24 @@
 """Build the trainer's model and tokenizer: a built-in tiny model (``model.arch``: Qwen2,
-DeepSeek-V3 or DeepSeek-V4); a local checkpoint loads through ``trainer/pretrained.py``."""
+DeepSeek-V3, DeepSeek-V4, Qwen2.5-VL or Qwen3-VL); a local checkpoint loads through
+``trainer/pretrained.py``."""
 
 from __future__ import annotations
 
 import torch
 
 from hybridrl.config import ModelConfig
+from hybridrl.config.model import VL_ARCHS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def builtin_tokenizer():
+def builtin_tokenizer(arch: str = "qwen2"):
+    """The arithmetic character tokenizer; for a vision-language ``arch`` the chat tokenizer
+    with the vision markers (``data/vl_tokenizer.py``)."""
+    if arch in VL_ARCHS:
+        from hybridrl.data.vl_tokenizer import build_vl_chat_tokenizer
+
+        return build_vl_chat_tokenizer()
     from hybridrl.data.char_tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
@@ -22,6 +30,8 @@ def builtin_model(tokenizer, spec: ModelConfig, *, seed: int = 0, max_position_e
     ``spec.dtype``."""
     from transformers import DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Qwen2ForCausalLM
 
+    if spec.arch in VL_ARCHS:
+        return builtin_vl_model(tokenizer, spec, seed=seed, max_position_embeddings=max_position_embeddings)
     make_config, cls = {"qwen2": (qwen2_config, Qwen2ForCausalLM),
                         "deepseek_v3": (deepseek_v3_config, DeepseekV3ForCausalLM),
                         "deepseek_v4": (deepseek_v4_config, DeepseekV4ForCausalLM)}[spec.arch]
@@ -111,3 +121,70 @@ def _init_v4_tables(model, seed: int) -> None:
             if name.endswith("tid2eid"):
                 E = model.config.n_routed_experts
                 b.copy_(torch.stack([torch.randperm(E, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
+
+
+# The built-in vision towers: Qwen2.5-VL's (patch 14, RMSNorm, SwiGLU, windowed attention
+# in the first block, full attention in the last) and Qwen3-VL's (patch 16, learned position
+# embeddings interpolated to the grid, a deepstack merger after block 0), both merging 2x2
+# patches into one language-model token, at toy width.
+VISION_HIDDEN, VISION_HEADS, VISION_DEPTH = 64, 2, 2
+
+
+def builtin_vl_model(tokenizer, spec: ModelConfig, *, seed: int = 0, max_position_embeddings: int = 128):
+    """A random-init Qwen2.5-VL / Qwen3-VL (``spec.arch``) whose language model is sized by
+    ``spec`` and whose vision tower is ``VISION_*``; the tokenizer must have the vision markers
+    (``builtin_tokenizer(arch)``). Initialized in float32 from ``seed``, then cast."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+
+    config = qwen2_5_vl_config(tokenizer, spec, max_position_embeddings) if spec.arch == "qwen2_5_vl" else \
+        qwen3_vl_config(tokenizer, spec, max_position_embeddings)
+    cls = Qwen2_5_VLForConditionalGeneration if spec.arch == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(config).to(DTYPES[spec.dtype])
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _mrope_section(head_dim: int, hw_share: tuple[int, int]) -> list[int]:
+    """(t, h, w) rotary frequency pairs of a head: h = w = half * share (Qwen2.5-VL 3/8 of 64
+    pairs = 24, Qwen3-VL 5/16 = 20), t the rest."""
+    half = head_dim // 2
+    hw = max(half * hw_share[0] // hw_share[1], 1)
+    return [half - 2 * hw, hw, hw]
+
+
+def _text_kwargs(tokenizer, spec: ModelConfig, max_position_embeddings: int) -> dict:
+    from hybridrl.data.vl_tokenizer import vision_token_ids
+
+    return dict(vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+                num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                intermediate_size=spec.intermediate_size, max_position_embeddings=max_position_embeddings,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id), vision_token_ids(tokenizer)
+
+
+def qwen2_5_vl_config(tokenizer, spec: ModelConfig, max_position_embeddings: int):
+    from transformers import Qwen2_5_VLConfig
+
+    text, marks = _text_kwargs(tokenizer, spec, max_position_embeddings)
+    head = spec.hidden_size // spec.num_attention_heads
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(head, (3, 8))}
+    vision = dict(depth=VISION_DEPTH, hidden_size=VISION_HIDDEN, intermediate_size=2 * VISION_HIDDEN,
+                  num_heads=VISION_HEADS, out_hidden_size=spec.hidden_size, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[VISION_DEPTH - 1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings,
+                            **marks)
+
+
+def qwen3_vl_config(tokenizer, spec: ModelConfig, max_position_embeddings: int):
+    from transformers import Qwen3VLConfig
+
+    text, marks = _text_kwargs(tokenizer, spec, max_position_embeddings)
+    head = spec.hidden_size // spec.num_attention_heads
+    text.update(head_dim=head, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "mrope_section": _mrope_section(head, (5, 16)), "mrope_interleaved": True})
+    vision = dict(depth=VISION_DEPTH, hidden_size=VISION_HIDDEN, intermediate_size=2 * VISION_HIDDEN,
+                  num_heads=VISION_HEADS, out_hidden_size=spec.hidden_size, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings,
+                         **marks)

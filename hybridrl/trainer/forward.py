@@ -24,7 +24,10 @@ import torch.nn.functional as F
 from hybridrl.attention.hf_varlen import varlen_attention_for
 from hybridrl.attention.packing import make_microbatches, unpad, unpad_indices
 from hybridrl.attention.varlen import flash_attn_usable
+from hybridrl.data.vision import RowImages
 from hybridrl.trainer.v4_indexer import engine_selection
+from hybridrl.trainer.vision_forward import (language_model, vision_tokens_of, vl_group_hidden,
+                                             vl_padded_hidden)
 
 ATTN_BACKENDS = ("auto", "varlen", "block_diagonal", "bucketed")
 # CPU choice, measured: for long rows (benchmarks/packing.py, lengths U[16, 512]) one
@@ -229,6 +232,7 @@ def compute_logprobs_entropy(
     *,
     options: ForwardOptions = ForwardOptions(),
     moe: MoEForward | None = None,
+    images: RowImages | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the response tokens under ``model``.
 
@@ -241,6 +245,10 @@ def compute_logprobs_entropy(
             per backbone call, attention backend; see :class:`ForwardOptions`.
         moe: MoE models only — replay recorded expert choices and/or collect the router
             logits of the real tokens (for the load-balancing loss); see :class:`MoEForward`.
+        images: vision-language models (Qwen2.5-VL / Qwen3-VL) only — each row's images
+            (``RowImages``, None for a text-only row); their features fill the row's image
+            placeholders, positions are mRoPE per sequence (``trainer/vision_forward.py``).
+            Image tokens the policy sampled (``response_mask`` = 1) are text, never placeholders.
     Returns:
         ``(logprobs, entropy)``, both ``[B, L]`` float32; ``logprobs[b, t] = log
         softmax(logits[b, t-1] / T)[input_ids[b, t]]`` (T = ``options.temperature``) where
@@ -249,8 +257,9 @@ def compute_logprobs_entropy(
     """
     routed = getattr(model, FSDP_ROUTE, None)
     if routed is not None:  # FSDP2-sharded: through a registered forward method (see distributed/fsdp.py)
-        return routed(input_ids, attention_mask, response_mask, options=options, moe=moe)
-    return _logprobs_entropy(model, input_ids, attention_mask, response_mask, options=options, moe=moe)
+        return routed(input_ids, attention_mask, response_mask, options=options, moe=moe, images=images)
+    return _logprobs_entropy(model, input_ids, attention_mask, response_mask, options=options, moe=moe,
+                             images=images)
 
 
 FSDP_ROUTE = "hybridrl_fsdp_logprobs_entropy"
@@ -288,7 +297,7 @@ class MoEForward:
 
 
 def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, options: ForwardOptions,
-                      moe: MoEForward | None = None):
+                      moe: MoEForward | None = None, images: RowImages | None = None):
     if input_ids.shape != attention_mask.shape or input_ids.shape != response_mask.shape:
         raise ValueError(
             "compute_logprobs_entropy: input_ids, attention_mask and response_mask must share shape [B, L], got "
@@ -303,8 +312,18 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, option
     target_flat = scored.flatten().nonzero().squeeze(1)  # (N,) into (B*L)
     source_flat = target_flat - 1  # hidden state at t-1 predicts token t
 
-    with engine_selection(model):  # DeepSeek-V4: the engine's indexer choice (v4_indexer.py)
-        hidden_all, lookup = _hidden_states(model, input_ids, attention_mask, options, moe, lm_head.weight.dtype)
+    tokens = vision_tokens_of(model)
+    if tokens is not None:
+        if moe is not None:
+            raise ValueError("compute_logprobs_entropy: MoE routing replay / router logits are not supported for "
+                             "vision-language models")
+        hidden_all, lookup = _vl_hidden_states(model, input_ids, attention_mask, response_mask, options, images)
+    elif images is not None and images.any:
+        raise ValueError(f"compute_logprobs_entropy: images for {type(model).__name__}, not a vision-language model")
+    else:
+        with engine_selection(model):  # DeepSeek-V4: the engine's indexer choice (v4_indexer.py)
+            hidden_all, lookup = _hidden_states(model, input_ids, attention_mask, options, moe,
+                                                lm_head.weight.dtype)
     hidden_src = hidden_all[lookup[source_flat]]  # (N, D)
     logp, ent = chunked_logprobs_entropy(
         hidden_src, lm_head, input_ids.flatten()[target_flat], temperature=options.temperature,
@@ -336,8 +355,22 @@ def _hidden_states(model, input_ids, attention_mask, options: ForwardOptions, mo
     return hidden.last_hidden_state.flatten(0, 1), torch.arange(batch * seq, device=input_ids.device)
 
 
-def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=None):
-    """Hidden states of all real tokens ``[T, D]`` and ``lookup [B*L]`` (flat -> row of it)."""
+def _vl_hidden_states(model, input_ids, attention_mask, response_mask, options: ForwardOptions,
+                      images: RowImages | None):
+    """``_hidden_states`` of a vision-language model (``trainer/vision_forward.py``)."""
+    tokens = vision_tokens_of(model)
+    if not options.packed:
+        return (vl_padded_hidden(model, input_ids, attention_mask, response_mask, images, tokens),
+                torch.arange(input_ids.numel(), device=input_ids.device))
+    mean_len = float((attention_mask != 0).sum()) / max(input_ids.shape[0], 1)
+    backend = _resolve_backend(options.attn_backend, input_ids.device, model.dtype, mean_len)
+    return _packed_forward(model, input_ids, attention_mask, backend, options.max_tokens_per_microbatch,
+                           vision=(response_mask, images, tokens))
+
+
+def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=None, vision=None):
+    """Hidden states of all real tokens ``[T, D]`` and ``lookup [B*L]`` (flat -> row of it).
+    ``vision``: ``(response_mask, images, tokens)`` of a vision-language model."""
     batch, seq = input_ids.shape
     lengths = (attention_mask != 0).sum(dim=1)
     if max_tokens is None:
@@ -345,12 +378,19 @@ def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=N
     groups = make_microbatches(lengths, max(max_tokens, int(lengths.max())))
     lookup = torch.full((batch * seq,), -1, dtype=torch.long, device=input_ids.device)
     pieces, offset = [], 0
-    with varlen_attention_for(model) if backend == "varlen" else contextlib.nullcontext():
+    # a VL model runs its language model packed, never its vision tower (own attention, own cu_seqlens)
+    attention_root = model if vision is None else language_model(model)
+    with varlen_attention_for(attention_root) if backend == "varlen" else contextlib.nullcontext():
         for rows in groups:
             rows_t = torch.tensor(rows, device=input_ids.device)
             mask_g = attention_mask[rows_t]
-            routed_g = None if moe is None or moe.routed_experts is None else moe.routed_experts[rows_t]
-            hidden = _packed_hidden(model, input_ids[rows_t], mask_g, backend, routed_g, moe)  # (T_g, D)
+            if vision is not None:
+                response, images, tokens = vision
+                hidden = vl_group_hidden(model, input_ids[rows_t], mask_g, response[rows_t],
+                                         None if images is None else images[rows], tokens, backend)
+            else:
+                routed_g = None if moe is None or moe.routed_experts is None else moe.routed_experts[rows_t]
+                hidden = _packed_hidden(model, input_ids[rows_t], mask_g, backend, routed_g, moe)  # (T_g, D)
             flat_g = unpad_indices(mask_g).indices  # (T_g,) into (n, L)
             flat = rows_t[flat_g // seq] * seq + flat_g % seq  # into (B, L)
             lookup[flat] = torch.arange(offset, offset + hidden.shape[0], device=input_ids.device)
