@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from hybridrl.data.vision import ImageInputs, RowImages
 from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests, next_weight_version
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.layers.context import LayerContext
@@ -180,22 +181,31 @@ class RolloutEngine(WeightUpdateBracket):
         yield from self.runner.named_state_tensors()
 
     # ---- inference -----------------------------------------------------------------
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, attention_mask [B, S] -> logits [B, S, V] float32 (no KV cache)."""
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               images: RowImages | None = None) -> torch.Tensor:
+        """input_ids, attention_mask [B, S] -> logits [B, S, V] float32 (no KV cache).
+        ``images``: a vision-language model's images of each row (None: every row text-only)."""
         if input_ids.shape[1] > self.max_seq_len:
             raise ValueError(f"logits: sequence length {input_ids.shape[1]} exceeds max_seq_len="
                              f"{self.max_seq_len}; build the engine with a larger max_seq_len")
-        return self.runner.logits(input_ids.to(self.device), attention_mask.to(self.device))
+        return self.runner.logits(input_ids.to(self.device), attention_mask.to(self.device), images)
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None, *,
-                    parent: str | None = None, retain: bool = False) -> None:
+                    parent: str | None = None, retain: bool = False, images: ImageInputs | None = None,
+                    placeholders: Sequence[bool] | None = None) -> None:
         """Queue one sample (``params.n == 1``). ``parent``: the id of a finished, retained
         request whose prompt + response ``token_ids`` extends (its KV is reused); ``retain``:
         keep this request's KV after it finishes for a continuation. Allowed during a
-        weight update (it waits in the queue)."""
+        weight update (it waits in the queue).
+        Vision-language models: ``images``, every image of ``token_ids`` in order (those of
+        a parent's prefix too; the cached ones are not encoded again); ``placeholders``: which
+        positions may be image tokens (default all; a sampled ``<|image_pad|>`` of an earlier
+        turn is text). Images that do not fit the image tokens raise ``ImageTokenMismatch``
+        (one line) and nothing is queued."""
         with self._lock:
-            self.scheduler.add(request_id, token_ids, params or SamplingParams(), parent=parent, retain=retain)
+            self.scheduler.add(request_id, token_ids, params or SamplingParams(), parent=parent, retain=retain,
+                               images=images, placeholders=placeholders)
 
     def step(self) -> StepOutput:
         """One decode step of every running request, then admission of waiting ones."""
@@ -226,15 +236,17 @@ class RolloutEngine(WeightUpdateBracket):
         return self.scheduler.kv_on_refit
 
     def generate(self, prompt_token_ids: list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> Rollouts:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list[ImageInputs | None] | None = None) -> Rollouts:
         """Sample a response for every prompt (n per prompt); see `Rollouts` for the layout.
-        A loop of ``add_request`` + ``step``; requests added by others progress meanwhile."""
+        A loop of ``add_request`` + ``step``; requests added by others progress meanwhile.
+        ``images``: a vision-language model's images of each prompt (None: all text-only)."""
         samples = expand_requests(prompt_token_ids, params or SamplingParams(), self.max_seq_len,
                                   self.config.vocab_size)
         call = next(self._generate_calls)
         ids = [f"generate-{call}-{i}" for i in range(len(samples))]
         with self._lock:
-            self.scheduler.add_samples(ids, samples)
+            self.scheduler.add_samples(ids, samples, sample_images(images, prompt_token_ids, params))
         outputs = self.run_until_finished(ids)
         return rollouts_from_outputs([outputs[i] for i in ids], self.pad_token_id)
 
@@ -248,6 +260,19 @@ class RolloutEngine(WeightUpdateBracket):
                     outputs[r.request_id] = r
         return outputs
 
+
+
+def sample_images(images: list[ImageInputs | None] | None, prompts: list[list[int]],
+                  params: SamplingParams | list[SamplingParams] | None) -> list[ImageInputs | None] | None:
+    """Each prompt's images repeated for its ``n`` samples (``expand_requests``' order)."""
+    if images is None:
+        return None
+    if len(images) != len(prompts):
+        raise ValueError(f"generate: got images for {len(images)} prompts, not {len(prompts)}; pass one entry "
+                         "per prompt (None for a text-only one)")
+    params = params or SamplingParams()
+    ns = [params.n] * len(prompts) if isinstance(params, SamplingParams) else [p.n for p in params]
+    return [im for im, n in zip(images, ns) for _ in range(n)]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -270,4 +295,8 @@ def build_model(config, quantization: str | None, max_seq_len: int, dtype: torch
         from hybridrl.rollout.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
         return DeepseekV4ForCausalLM(config, config.v4, max_seq_len, ctx)
+    if config.vl is not None:
+        from hybridrl.rollout.models.vision_language.model import VisionLanguageForCausalLM
+
+        return VisionLanguageForCausalLM(config, max_seq_len, ctx)
     return DecoderForCausalLM(config, max_seq_len, ctx)

@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridrl.rollout.models.deepseek_v3.config import GroupedRouter, MlaDims
     from hybridrl.rollout.models.deepseek_v4.config import V4Dims
+    from hybridrl.rollout.models.vision_language.config import VlDims
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4",
+                         "qwen2_5_vl", "qwen3_vl")
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -60,6 +63,9 @@ class ModelConfig:
     """DeepSeekMoE's sigmoid, group-limited router (``models/deepseek_v3/config.py``)."""
     v4: "V4Dims | None" = None
     """DeepSeek-V4's dimensions (``models/deepseek_v4/config.py``); its state cache is ``models/deepseek_v4/state.py``."""
+    vl: "VlDims | None" = None
+    """Qwen2.5-VL / Qwen3-VL: the vision side (``models/vision_language/config.py``); the
+    fields above are then the language model's (its ``text_config``)."""
 
     def is_moe_layer(self, idx: int) -> bool:
         return idx in self.moe_layers
@@ -86,6 +92,8 @@ def _rope_params(cfg: Any) -> dict[str, Any]:
     if "rope_theta" not in params:
         params["rope_theta"] = _get(cfg, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "mrope":  # Qwen2-VL-era configs name mRoPE's (default) frequencies "mrope"
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope type {rope_type!r} in the model config is not supported by the rollout "
@@ -113,6 +121,15 @@ def parse_hf_config(cfg: Any) -> ModelConfig:
         from hybridrl.rollout.models.deepseek_v4.config import v4_model_config
 
         return v4_model_config(cfg, ModelConfig)
+    if model_type in VL_MODEL_TYPES:
+        from hybridrl.rollout.models.vision_language.config import parse_vision_language
+
+        return parse_vision_language(cfg, _parse_decoder)
+    return _parse_decoder(cfg, model_type)
+
+
+def _parse_decoder(cfg: Any, model_type: str) -> ModelConfig:
+    """A Llama / Qwen2 / Qwen3 (-MoE) decoder config read as ``model_type``."""
     if _get(cfg, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by the rollout engine; set it to False")
     act = _get(cfg, "hidden_act", "silu")

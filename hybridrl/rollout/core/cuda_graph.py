@@ -47,6 +47,8 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=where)
         self.positions = torch.zeros(n, dtype=torch.long, device=where)
         self.logits = torch.zeros(n, vocab, dtype=torch.float32, device=where)
+        # vision-language: each row's rope offset (rotary position = slot + delta), static like the rest
+        self.rope_deltas = torch.zeros(n, dtype=torch.long, device=where) if runner.vl is not None else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # graph launches so far (checked by scripts/gpu_check.sh's end-to-end run)
         self.stream = None  # the capture stream, on self.device (kept alive with the graphs)
@@ -74,20 +76,26 @@ class CudaGraphRunner:
         self.stream = stream
 
     def _step(self, bs: int) -> None:
-        out = self.runner.decode_eager(self.input_ids[:bs], self.positions[:bs], self.runner.max_seq_len)
+        deltas = {} if self.rope_deltas is None else {"rope_deltas": self.rope_deltas[:bs]}
+        out = self.runner.decode_eager(self.input_ids[:bs], self.positions[:bs], self.runner.max_seq_len, **deltas)
         self.logits[:bs].copy_(out)
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.batch_sizes[-1]
 
-    def replay(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [B] -> logits [B, V] float32 (a view of the static output buffer)."""
+    def replay(self, tokens: torch.Tensor, positions: torch.Tensor,
+               rope_deltas: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions [B] (and a vision-language model's rope deltas [B]) -> logits
+        [B, V] float32 (a view of the static output buffer)."""
         B = tokens.shape[0]
         bs = next(b for b in self.batch_sizes if b >= B)
         with torch.cuda.device(self.device):  # the copies and the launch on dev's current stream
             self.input_ids[:B].copy_(tokens)
             self.positions[:B].copy_(positions)
             self.positions[B:bs].zero_()  # padding rows: a valid slot in an unused cache row
+            if self.rope_deltas is not None:
+                self.rope_deltas[:B].copy_(rope_deltas)
+                self.rope_deltas[B:bs].zero_()
             self.graphs[bs].replay()
         self.replays += 1
         return self.logits[:B]
@@ -96,3 +104,5 @@ class CudaGraphRunner:
         yield "cuda_graph.input_ids", self.input_ids
         yield "cuda_graph.positions", self.positions
         yield "cuda_graph.logits", self.logits
+        if self.rope_deltas is not None:
+            yield "cuda_graph.rope_deltas", self.rope_deltas

@@ -2,6 +2,11 @@
 
 Owns the model, the static KV cache and (on CUDA) the CUDA-graph runner. Knows
 nothing about requests or sampling.
+
+Vision-language models (``models/vision_language/``): prefill and extend take a
+``MultimodalBatch`` (3-D rotary positions, image features at the image tokens); decode
+takes each row's rope offset ``delta`` (its rotary position is ``slot + delta``, its KV slot
+stays ``slot``), a static buffer in graph mode.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from hybridrl.rollout.core.kv_cache import KVCache, rank_kv_heads
 from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.attention import ForwardContext
 from hybridrl.rollout.models.decoder.model import DecoderForCausalLM
+from hybridrl.rollout.models.vision_language.inputs import MultimodalBatch, build_batch, logits_batch
 
 
 class ModelRunner:
@@ -23,6 +29,7 @@ class ModelRunner:
         self.model, self.device = model, device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.v4 = model.config.v4 is not None  # DeepSeek-V4: its own state and forward (models/deepseek_v4/model.py)
+        self.vl = model.config.vl  # vision-language: mRoPE positions and image features (models/vision_language/)
         if self.v4:
             from hybridrl.rollout.models.deepseek_v4.state import V4StateCache
 
@@ -49,10 +56,12 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self, batch_sizes)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, row_start: int = 0) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, row_start: int = 0,
+                mm: MultimodalBatch | None = None) -> torch.Tensor:
         """Right-padded prompts input_ids [B, S], lengths [B] -> next-token logits [B, V] float32.
 
         Writes the prompts' k/v into cache rows [row_start, row_start + B), slots [0, S).
+        ``mm``: a vision-language batch's rotary positions and image features (``multimodal``).
         """
         B, S = input_ids.shape
         if self.v4:
@@ -60,15 +69,16 @@ class ModelRunner:
             hidden = self.model.model(input_ids, valid, self.kv_cache, row_start)
             return self.model.compute_logits(hidden[self.rows[:B], lengths - 1]).float()
         positions = self.slot_ids[:S].expand(B, S)
-        cos, sin = self.model.model.rotary_emb.tables(positions)
-        ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, row_start=row_start)
+        cos, sin = self.model.model.rotary_emb.tables(positions if mm is None else mm.positions)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, row_start=row_start,
+                             visual=mm.visual if mm is not None else None)
         hidden = self.model(input_ids, ctx)
         last = hidden[self.rows[:B], lengths - 1]  # (B, hidden)
         return self.model.compute_logits(last).float()
 
     @torch.inference_mode()
     def extend(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-               row_start: int) -> torch.Tensor:
+               row_start: int, mm: MultimodalBatch | None = None) -> torch.Tensor:
         """New tokens after cached prefixes -> next-token logits [B, V] float32.
 
         input_ids [B, C] right-padded; row b's cache row ``row_start + b`` already holds
@@ -82,38 +92,41 @@ class ModelRunner:
         positions = (starts.view(B, 1) + self.slot_ids[:C].view(1, C)).clamp_(max=self.max_seq_len - 1)
         T = int((starts + lengths).max())
         mask = (self.slot_ids[:T].view(1, 1, T) <= positions.view(B, C, 1)).view(B, 1, C, T)
-        cos, sin = self.model.model.rotary_emb.tables(positions)
+        cos, sin = self.model.model.rotary_emb.tables(positions if mm is None else mm.positions)
         ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, attn_mask=mask,
-                             kv_len=T, row_start=row_start, extend=True)
+                             kv_len=T, row_start=row_start, extend=True, visual=mm.visual if mm is not None else None)
         hidden = self.model(input_ids, ctx)
         last = hidden[self.rows[:B], lengths - 1]
         return self.model.compute_logits(last).float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-               aligned: bool = False) -> torch.Tensor:
+               aligned: bool = False, rope_deltas: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B] at positions [B] (cache rows [0, B)) -> logits [B, V] float32.
+        ``rope_deltas`` [B] (vision-language): row b's rotary position is positions[b] + rope_deltas[b].
 
         kv_len bounds the slots attended in eager mode; graphs attend over max_seq_len
         (with flash decode, each row over its own length in both modes).
         `aligned` promises every position == kv_len - 1, so eager mode needs no mask.
         """
         if self.graphs is not None and self.graphs.can_run(tokens.shape[0]):
-            return self.graphs.replay(tokens, positions)
+            return self.graphs.replay(tokens, positions, rope_deltas)
         with torch.inference_mode():
             if self.compiled:
                 # Compiled: the aligned path indexes the cache with the Python int kv_len - 1,
                 # which dynamo specializes on, recompiling every step until its limit.
                 aligned = False
-            return self._decode_step(tokens, positions, kv_len, aligned)
+            if rope_deltas is None:
+                return self._decode_step(tokens, positions, kv_len, aligned)
+            return self._decode_step(tokens, positions, kv_len, aligned, rope_deltas)
 
     def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                     aligned: bool = False) -> torch.Tensor:
+                     aligned: bool = False, rope_deltas: torch.Tensor | None = None) -> torch.Tensor:
         """The decode step itself; also what the CUDA graphs capture (with kv_len = max_seq_len)."""
         B = tokens.shape[0]
         if self.v4:
             return self.model.compute_logits(self.model.model.decode(tokens, positions.view(B), self.kv_cache)).float()
         pos = positions.view(B, 1)
-        cos, sin = self.model.model.rotary_emb.tables(pos)
+        cos, sin = self.model.model.rotary_emb.tables(pos if rope_deltas is None else pos + rope_deltas.view(B, 1))
         slot = kv_len - 1 if aligned else None
         if self.flash_decode:
             # Row b attends slots [0, positions[b]] over whole cache rows, whatever kv_len is:
@@ -128,15 +141,22 @@ class ModelRunner:
         hidden = self.model(tokens.view(B, 1), ctx)
         return self.model.compute_logits(hidden[:, 0]).float()
 
+    def multimodal(self, layouts: list, starts: list[int], width: int) -> MultimodalBatch:
+        """The vision-language inputs of a prefill (``starts`` 0) or an extend of rows laid
+        out by ``layouts`` (``ImageLayout``), ``width`` tokens each: one vision-tower call
+        over the images with tokens among them."""
+        return build_batch(layouts, starts, width, self.model.model.encode, self.max_seq_len - 1, self.device)
+
     @torch.inference_mode()
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, images=None) -> torch.Tensor:
         """Full-sequence logits [B, S, V] float32, no KV cache involved.
 
         Right padding (or no padding) runs as plain causal attention, no mask at all; any
         other padding is honoured with positions = cumsum(mask) - 1 and the bool
         [B, 1, S, S] `sdpa_mask`, built at the memory floor (its output plus O(B*S), never
         an S x S temporary). Outputs at pad positions are meaningless (a pad query attends
-        only to itself there); valid positions never see a pad key.
+        only to itself there); valid positions never see a pad key. ``images``: a
+        vision-language model's ``RowImages`` (each row's valid tokens laid out with its images).
         """
         B, S = input_ids.shape
         mask = attention_mask.to(torch.bool)
@@ -150,8 +170,14 @@ class ModelRunner:
         else:
             positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
             attn_mask = sdpa_mask(mask)
-        cos, sin = self.model.model.rotary_emb.tables(positions)
-        ctx = ForwardContext(positions, cos, sin, kv_cache=None, attn_mask=attn_mask)
+        rope_positions, visual = positions, None
+        if self.vl is not None:
+            mm = logits_batch(input_ids, attention_mask, images, self.vl.tokens, self.model.model.encode)
+            rope_positions, visual = mm.positions, mm.visual
+        elif images is not None:
+            raise ValueError(f"logits: images given, but the {self.model.config.model_type} model takes none")
+        cos, sin = self.model.model.rotary_emb.tables(rope_positions)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=None, attn_mask=attn_mask, visual=visual)
         return self.model.compute_logits(self.model(input_ids, ctx)).float()
 
     def named_state_tensors(self):

@@ -33,6 +33,9 @@ class PrefixEntry:
     routing: torch.Tensor | None
     """MoE routing of those tokens [len(tokens), n_moe_layers, k] or None."""
     weight_version: int
+    images: tuple = ()
+    """vision-language: ``(start, stop, key)`` of each image among ``tokens`` (prefix reuse
+    serves a continuation only up to the first image the two do not share)."""
 
     @property
     def nbytes(self) -> int:

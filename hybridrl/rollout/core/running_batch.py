@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hybridrl.rollout.layers.sampler import SamplingTensors, make_uniforms, sample
+from hybridrl.rollout.models.vision_language.inputs import ImageLayout
 from hybridrl.rollout.sampling_params import SamplingParams
 
 
@@ -43,6 +44,8 @@ class Sequence:
     cached_tokens: int = 0
     life_start: int = 0
     """len(generated) when the request took its current row (tokens of earlier rows are in `generated`)."""
+    layout: ImageLayout | None = None
+    """vision-language engines: the prompt's images, mRoPE positions and rope delta."""
 
     def __post_init__(self):
         p = self.params
@@ -53,6 +56,14 @@ class Sequence:
     def fed_tokens(self) -> list[int]:
         """What a prefill of this request runs: prompt + every generated token so far."""
         return self.prompt + self.generated if self.generated else self.prompt
+
+    @property
+    def prefill_key(self) -> tuple:
+        """What makes two prefills identical: the fed ids (and, with images, where and which)."""
+        tokens = tuple(self.fed_tokens)
+        if self.layout is None or self.layout.images is None:
+            return tokens
+        return tokens, self.layout.annotations
 
     @property
     def greedy(self) -> bool:
@@ -79,7 +90,9 @@ class RunningBatch:
         """Bytes one row takes in the per-slot buffers (its per-row scalars are a few dozen more)."""
         return max_seq_len * sum(torch.empty((), dtype=d).element_size() for d in SLOT_DTYPES)
 
-    def __init__(self, max_rows: int, max_seq_len: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_rows: int, max_seq_len: int, vocab_size: int, device: torch.device,
+                 mrope: bool = False):
+        """``mrope``: a vision-language model's rows carry a rope offset (``rope_deltas``)."""
         M, L, dev = max_rows, max_seq_len, device
         self.max_rows, self.max_seq_len, self.vocab_size, self.device = M, L, vocab_size, dev
         self.seqs: list[Sequence] = []
@@ -98,6 +111,10 @@ class RunningBatch:
         self._row_buffers = [self.tokens, self.positions, self.counts, self.max_new, self.stop_ids,
                              self.temperature, self.top_k, self.top_p, self.uniforms, self.out_tokens,
                              self.out_logprobs]
+        # each row's rotary offset: position = slot + delta (vision-language; moves with its row)
+        self.rope_deltas = torch.zeros(M, dtype=torch.long, device=dev) if mrope else None
+        if mrope:
+            self._row_buffers.append(self.rope_deltas)
         self._n_greedy = self._n_truncating = self._n_unit_temp = self._n_stopping = 0
 
     @property
@@ -141,6 +158,8 @@ class RunningBatch:
         self.stop_ids[rows] = ints_t[:, 4:]
         self.temperature[rows] = floats_t[:, 0:1]
         self.top_p[rows] = floats_t[:, 1:2]
+        if self.rope_deltas is not None:
+            self.rope_deltas[rows] = torch.tensor([s.layout.delta for s in seqs], dtype=torch.long).to(dev)
         sampled = [i for i, s in enumerate(seqs) if not s.greedy]
         if sampled:  # one draw for all: row i's u[t] depends on its seed alone (sampler.make_uniforms)
             width = max(seqs[i].max_new for i in sampled)
@@ -162,7 +181,8 @@ class RunningBatch:
         pos = self.host_positions[:n]
         kv_len = int(pos.max()) + 1
         aligned = bool(pos.min() == kv_len - 1)
-        logits = runner.decode(self.tokens[:n], self.positions[:n], kv_len, aligned)
+        deltas = self.rope_deltas[:n] if self.rope_deltas is not None else None
+        logits = runner.decode(self.tokens[:n], self.positions[:n], kv_len, aligned, deltas)
         if recorder is not None:
             recorder.after_decode(n, self.positions[:n])
         self.positions[:n].add_(1)

@@ -26,6 +26,14 @@ new weights — exactly what a request started with the new weights from there w
 retained prefixes computed with the old weights are dropped. ``"keep"`` continues with the
 KV the old weights wrote (an approximation, measured in benchmarks/rollout.py); the
 prefixes stay. Either way every token records the version that sampled it.
+
+**Images** (vision-language engines): a request's images are laid out and checked against
+its image tokens at ``add`` (``models/vision_language/inputs.py``: a mismatch raises before
+anything is queued). Identical prompts are identical only with the same images at the same
+places; a retained prefix serves a continuation only up to the first image the two do not
+share (same place, same content), and a prefill encodes only the images with tokens among
+its new tokens: a continued conversation's earlier images are not encoded again, a
+recomputed request's are.
 """
 
 from __future__ import annotations
@@ -36,11 +44,13 @@ from typing import Callable
 import torch
 
 from hybridrl.rollout.backend import check_parent, check_request, request_seed
+from hybridrl.data.vision import ImageInputs
 from hybridrl.rollout.core.kv_cache import KVCache
 from hybridrl.rollout.core.prefix_cache import PrefixCache, PrefixEntry, common_prefix_length
 from hybridrl.rollout.routing import active_recorder
 from hybridrl.rollout.requests import RequestOutput, StepOutput
 from hybridrl.rollout.core.running_batch import RunningBatch, Sequence
+from hybridrl.rollout.models.vision_language.inputs import image_layout, shared_image_prefix
 from hybridrl.rollout.sampling_params import SamplingParams
 
 KV_ON_REFIT = ("recompute", "keep")
@@ -55,7 +65,9 @@ class Scheduler:
         self.runner, self.kv_cache = runner, runner.kv_cache
         self.vocab_size, self.max_seq_len = vocab_size, runner.max_seq_len
         self.max_prefill_tokens, self.kv_on_refit = max_prefill_tokens, kv_on_refit
-        self.batch = RunningBatch(runner.max_batch_size, runner.max_seq_len, vocab_size, runner.device)
+        self.vl = runner.vl  # vision-language: the model's image token ids and merge size (None: text only)
+        self.batch = RunningBatch(runner.max_batch_size, runner.max_seq_len, vocab_size, runner.device,
+                                  mrope=self.vl is not None)
         self.waiting: deque[Sequence] = deque()
         self.live: dict[str, Sequence] = {}  # every waiting or running request by id
         self.prefixes = PrefixCache(prefix_cache_bytes)
@@ -73,23 +85,46 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
-            parent: str | None = None, retain: bool = False, front: bool = False) -> None:
+            parent: str | None = None, retain: bool = False, front: bool = False,
+            images: ImageInputs | None = None, placeholders=None) -> None:
         token_ids = check_request(request_id, token_ids, params, self.live, self.max_seq_len, self.vocab_size)
         if parent is not None:
             self._check_parent(request_id, parent)
+        layout = self._layout(request_id, token_ids, images, placeholders)
         seq = Sequence(request_id, token_ids, params, request_seed(params.seed, 0),
-                       min(params.max_tokens, self.max_seq_len - len(token_ids)), parent=parent, retain=retain)
+                       min(params.max_tokens, self.max_seq_len - len(token_ids)), parent=parent, retain=retain,
+                       layout=layout)
         (self.waiting.appendleft if front else self.waiting.append)(seq)
         self.live[request_id] = seq
 
-    def add_samples(self, request_ids: list[str], samples) -> None:
+    def _layout(self, request_id: str, token_ids: list[int], images: ImageInputs | None, placeholders):
+        """A vision-language request's image layout (checked: ``ImageTokenMismatch``); None otherwise."""
+        if self.vl is None:
+            if images is not None:
+                raise ValueError(f"add_request {request_id!r}: images given, but this model takes none "
+                                 "(a text-only model)")
+            return None
+        try:
+            return image_layout(token_ids, images, self.vl.tokens, placeholders)
+        except ValueError as e:
+            raise type(e)(f"add_request {request_id!r}: {e}") from None
+
+    def add_samples(self, request_ids: list[str], samples, images: list[ImageInputs | None] | None = None) -> None:
         """``generate``'s requests: ``(prompt, params, seed, max_new)`` from ``expand_requests``
-        (prompts already checked; ``params.n`` samples share one params object)."""
+        (prompts already checked; ``params.n`` samples share one params object); ``images``:
+        each sample's (vision-language), all checked before any is queued."""
         clash = self.live.keys() & set(request_ids)
         if clash:
             raise ValueError(f"add_samples: ids already waiting or running: {sorted(clash)[:4]}")
-        for rid, (prompt, params, seed, max_new) in zip(request_ids, samples):
-            seq = Sequence(rid, prompt, params, seed, max_new)
+        images = images or [None] * len(samples)
+        layouts, by_prompt = [], {}
+        for rid, (prompt, *_), im in zip(request_ids, samples, images):
+            key = (id(prompt), id(im))  # the n samples of a prompt share its list and its images
+            if key not in by_prompt:
+                by_prompt[key] = self._layout(rid, prompt, im, None)
+            layouts.append(by_prompt[key])
+        for rid, (prompt, params, seed, max_new), layout in zip(request_ids, samples, layouts):
+            seq = Sequence(rid, prompt, params, seed, max_new, layout=layout)
             self.waiting.append(seq)
             self.live[rid] = seq
 
@@ -151,7 +186,8 @@ class Scheduler:
         kv = self.kv_cache.read_row(row, fed)
         self.prefixes.put(s.request_id, PrefixEntry(s.fed_tokens[:fed], kv,
                                                     routing[:fed].to(kv[0].device) if routing is not None else None,
-                                                    self.weight_version))
+                                                    self.weight_version,
+                                                    s.layout.annotations if s.layout is not None else ()))
 
     def _admit(self, out: StepOutput) -> None:
         fresh: list[Sequence] = []  # prefilled from slot 0
@@ -163,8 +199,10 @@ class Scheduler:
             tokens = s.fed_tokens
             entry = self._parent_prefix(s)
             cached = min(common_prefix_length(entry.tokens, tokens), len(tokens) - 1) if entry is not None else 0
+            if cached and s.layout is not None:  # the cache serves only up to the first image not shared
+                cached = shared_image_prefix(entry.images, s.layout.annotations, cached)
             cost = len(tokens) - cached
-            key = tuple(tokens) if not cached else None
+            key = s.prefill_key if not cached else None
             if key is not None and key in seen:
                 cost = 0  # an identical prompt in this prefill: its rows are copied
             if cost > budget and (fresh or extend):
@@ -199,15 +237,18 @@ class Scheduler:
         """One prefill of the distinct prompts into rows [n, n + U), copied to the rows of
         identical prompts; returns next-token logits [len(seqs), V]."""
         dev, r0 = self.runner.device, self.batch.n
-        first: dict[tuple[int, ...], int] = {}
-        src = [first.setdefault(tuple(s.fed_tokens), len(first)) for s in seqs]
-        unique = list(first)
+        first: dict[tuple, int] = {}
+        src = [first.setdefault(s.prefill_key, len(first)) for s in seqs]
+        reps = {k: s for k, s in zip((s.prefill_key for s in seqs), seqs)}
+        unique = [reps[k].fed_tokens for k in first]
         S = max(len(p) for p in unique)
         input_ids = torch.tensor([list(p) + [0] * (S - len(p)) for p in unique], dtype=torch.long)
         lengths = torch.tensor([len(p) for p in unique], device=dev)
+        mm = (self.runner.multimodal([reps[k].layout for k in first], [0] * len(first), S)
+              if self.vl is not None else None)
         if self.recorder is not None:
             self.recorder.begin_prefill()
-        logits = self.runner.prefill(input_ids.to(dev), lengths, row_start=r0)
+        logits = self.runner.prefill(input_ids.to(dev), lengths, row_start=r0, mm=mm)
         src_rows = torch.tensor(src, device=dev)
         dst_rows = torch.arange(r0, r0 + len(seqs), device=dev)
         if self.recorder is not None:
@@ -236,9 +277,11 @@ class Scheduler:
         input_ids = torch.tensor([t + [0] * (C - len(t)) for t in news], dtype=torch.long, device=dev)
         starts_t = torch.tensor(starts, device=dev)
         lengths = torch.tensor([len(t) for t in news], device=dev)
+        mm = (self.runner.multimodal([s.layout for s, _, _ in items], starts, C)
+              if self.vl is not None else None)
         if self.recorder is not None:
             self.recorder.begin_prefill()
-        logits = self.runner.extend(input_ids, starts_t, lengths, row_start=r0)
+        logits = self.runner.extend(input_ids, starts_t, lengths, row_start=r0, mm=mm)
         if self.recorder is not None:
             positions = (starts_t.view(-1, 1) + torch.arange(C, device=dev)).clamp_(max=self.max_seq_len - 1)
             self.recorder.after_extend(r0, positions)
@@ -279,4 +322,5 @@ def _output(s: Sequence, reason: str | None, routing: torch.Tensor | None = None
                          token_ids=s.generated if done else list(s.generated),
                          logprobs=s.logprobs if done else list(s.logprobs), token_versions=s.token_versions(),
                          finished=done,
-                         finish_reason=reason, cached_tokens=s.cached_tokens, routed_experts=routing)
+                         finish_reason=reason, cached_tokens=s.cached_tokens, routed_experts=routing,
+                         images=s.layout.images if s.layout is not None else None)

@@ -22,6 +22,7 @@ Three modes, chosen by the `ForwardContext` the model runner builds once per for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,9 @@ class ForwardContext:
     cache_seqlens: torch.Tensor | None = None
     """decode through flash-attn: int32 [B], row b attends cache slots [0, cache_seqlens[b])
     (positions + 1, computed on the device); attn_mask and kv_len are then unused."""
+    visual: Any = None
+    """vision-language prefill / extend / logits: the image features to place
+    (``models/vision_language/inputs.py: VisualEmbeds``); None otherwise."""
 
 
 class Attention(nn.Module):

@@ -70,3 +70,61 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [B, S, H, D]; cos/sin_signed [B, S, 1, D] -> rotated x, same shape and dtype."""
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (mRoPE: Qwen2.5-VL, Qwen3-VL) over the same tables.
+
+    A token has three positions (temporal, height, width); rotary frequency ``j`` of the
+    ``head_dim // 2`` turns with the position of axis ``axes[j]`` (``mrope_axes``). So the
+    cos/sin row of a token is, column by column, the plain table's row at that column's
+    axis position: a gather from the tables built once (graph-safe; no trigonometry per
+    call), and a text token (three equal positions) gets exactly the plain rope row.
+    ``tables`` takes ``[B, S]`` positions (plain rope: decode, where every axis sits at
+    ``slot + delta``) or ``[3, B, S]``.
+    """
+
+    def __init__(self, rope: dict[str, Any], head_dim: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__(rope, head_dim, max_seq_len, dtype, device)
+        axes = mrope_axes(rope["mrope_section"], bool(rope.get("mrope_interleaved", False)), head_dim // 2)
+        self.register_buffer("col_axis", torch.cat([axes, axes]).to(device), persistent=False)  # (D,)
+        self.register_buffer("col", torch.arange(head_dim, device=device), persistent=False)  # (D,)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] or [3, B, S] long -> (cos, sin_signed) each [B, S, 1, D]."""
+        if positions.dim() == 2:
+            return super().tables(positions)
+        D = self.col.shape[0]
+        per_col = positions.permute(1, 2, 0)[..., self.col_axis]  # (B, S, D): column d's axis position
+        flat = per_col * D + self.col
+        return self.cos.view(-1)[flat].unsqueeze(2), self.sin_signed.view(-1)[flat].unsqueeze(2)
+
+
+def mrope_axes(section: list[int], interleaved: bool, half: int) -> torch.Tensor:
+    """The axis (0 = t, 1 = h, 2 = w) of each of the ``half`` rotary frequencies.
+
+    Sectioned (Qwen2-VL / Qwen2.5-VL, transformers' ``recomposition_frequencies`` of
+    ``Qwen2_5_VLRotaryEmbedding``): ``section[0]`` frequencies of t, then ``section[1]`` of
+    h, then ``section[2]`` of w. Interleaved (Qwen3-VL, ``Qwen3VLTextRotaryEmbedding``):
+    t h w t h w ..., frequency ``j`` is h when ``j % 3 == 1`` and ``j < 3 * section[1]``,
+    w when ``j % 3 == 2`` and ``j < 3 * section[2]``, else t."""
+    section = [int(s) for s in section]
+    if len(section) != 3 or sum(section) != half:
+        raise ValueError(f"mrope_section {section} must be 3 numbers summing to head_dim // 2 = {half}; "
+                         "fix rope_parameters.mrope_section in the model config")
+    axes = torch.zeros(half, dtype=torch.long)
+    if interleaved:
+        axes[1:3 * section[1]:3] = 1
+        axes[2:3 * section[2]:3] = 2
+    else:
+        axes[section[0]:section[0] + section[1]] = 1
+        axes[section[0] + section[1]:] = 2
+    return axes
+
+
+def rotary_for(rope: dict[str, Any], head_dim: int, max_seq_len: int, dtype: torch.dtype,
+               device: torch.device) -> RotaryEmbedding:
+    """The rope of a config: mRoPE when it has an ``mrope_section``, else the plain one."""
+    cls = MRotaryEmbedding if "mrope_section" in rope else RotaryEmbedding
+    return cls(rope, head_dim, max_seq_len, dtype, device)

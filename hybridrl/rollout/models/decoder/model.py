@@ -21,7 +21,7 @@ from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
 from hybridrl.rollout.layers.linear import MergedColumnLinear, RowParallelLinear
 from hybridrl.rollout.models.deepseek_v3.mla import MlaAttention, MlaRotary
 from hybridrl.rollout.layers.norm import RMSNorm
-from hybridrl.rollout.layers.rotary import RotaryEmbedding
+from hybridrl.rollout.layers.rotary import rotary_for
 from hybridrl.rollout.model_config import ModelConfig
 from hybridrl.rollout.models.moe.block import SparseMoeBlock
 
@@ -79,7 +79,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.child("embed_tokens"))
         rotary = (MlaRotary(cfg, max_seq_len, ctx.dtype, ctx.device) if cfg.mla is not None
-                  else RotaryEmbedding(cfg.rope, cfg.head_dim, max_seq_len, ctx.dtype, ctx.device))
+                  else rotary_for(cfg.rope, cfg.head_dim, max_seq_len, ctx.dtype, ctx.device))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ctx.child(f"layers.{i}"), rotary)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
