@@ -72,7 +72,8 @@ from hybridrl.vllm_backend import full_vocab_logprobs as fvl
 from hybridrl.vllm_backend._import import import_vllm
 from hybridrl.vllm_backend.fp8 import vllm_quantization
 from hybridrl.vllm_backend.isolation import preserve_environ, preserve_torch_state, shutdown_llm
-from hybridrl.vllm_backend.launch import VLLM_DTYPES, check_platform, cpu_shm_segments, llm_args, write_config_dir
+from hybridrl.vllm_backend.launch import (VLLM_DTYPES, check_platform, cpu_shm_segments, llm_args, served_config,
+                                          write_config_dir)
 from hybridrl.vllm_backend.lora import base_layers_in_place
 from hybridrl.vllm_backend.mla import mla_derived_caches
 from hybridrl.vllm_backend.reload_check import check_reload, refresh_tied_head
@@ -114,9 +115,7 @@ class VllmEngine(WeightUpdateBracket):
         vllm_quantization(spec.quantization, spec.dtype, torch.device(spec.device).type == "cpu")  # one line, first
         if spec.dtype not in VLLM_DTYPES:
             raise ValueError(f"VllmEngine: dtype {spec.dtype} not supported; use one of {list(VLLM_DTYPES)}")
-        if isinstance(hf_config, str):
-            from transformers import AutoConfig
-            hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
+        hf_config = served_config(hf_config)  # a directory's config; vision-language ones refused (launch.py)
         self.hf_config, self.spec = hf_config, spec
         self.dtype, self.device, self.quantization = spec.dtype, torch.device(spec.device), spec.quantization
         self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len

@@ -3,6 +3,8 @@
 - ``check_platform``: the installed vLLM build must run on the spec's device, and (CPU)
   support the model's head size (MLA: its latent width), so a mismatch fails at
   construction, not mid-run; MoE layers are refused (``mla.py``).
+- ``served_config``: the config (read from a directory), vision-language models refused
+  (``limits.py``).
 - ``write_config_dir``: a directory holding only ``config.json`` (placeholder weights; the
   real ones come through the weight-update bracket).
 - ``kv_cache_bytes``: the KV cache sized from ``max_batch_size x max_seq_len``, never from
@@ -21,6 +23,7 @@ import torch
 from hybridrl.rollout.backend import EngineSpec
 from hybridrl.vllm_backend import full_vocab_logprobs as fvl
 from hybridrl.vllm_backend.fp8 import vllm_quantization
+from hybridrl.vllm_backend.limits import vision_language_refusal
 from hybridrl.vllm_backend.mla import CPU_LLM_KWARGS, check_mla, has_moe_layers, is_mla, vllm_config_keys
 
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -58,6 +61,20 @@ def check_platform(hf_config, device: torch.device) -> None:
             raise ValueError(f"VllmEngine: vLLM's CPU attention supports head_dim in {sizes}; this model has "
                              f"head_dim={head_dim} (hidden_size {c.hidden_size} / {c.num_attention_heads} heads); "
                              "choose sizes giving a supported head_dim or use rollout.backend=builtin")
+
+
+def served_config(hf_config):
+    """The transformers config of ``hf_config`` (a checkpoint directory is read), refused in
+    one line when the backend does not serve it (a vision-language model: ``limits.py``)
+    before anything reads it or vLLM is imported."""
+    if isinstance(hf_config, str):
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
+    refusal = vision_language_refusal(getattr(hf_config, "model_type", None))
+    if refusal is not None:
+        raise ValueError(f"VllmEngine: {refusal}")
+    return hf_config
 
 
 def _cpu_mla_latents() -> list[int] | None:
