@@ -39,7 +39,10 @@ class ToolOutcome:
     """What one attempted call produced: the tool message's content, and the error kind
     (None on success)."""
 
-    content: str
+    content: str | list[dict]
+    """text, or (a tool that returned pictures) content items ``{"type": "image", "image": ...}``
+    / ``{"type": "text", "text": ...}`` that a vision-language policy's renderer turns into
+    image placeholders (``agents/chat_render.py``)."""
     error: str | None = None
 
 
@@ -60,10 +63,20 @@ class TurnPlan:
         return [(i, s) for i, s in enumerate(self.slots) if isinstance(s, ToolCall)]
 
 
-def tool_result_text(value: Any) -> str:
-    """A tool's return value as message content: str() of it, JSON for dicts and lists."""
+def _is_image(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "mode")  # PIL imported only by users of it
+
+
+def tool_result_text(value: Any) -> str | list[dict]:
+    """A tool's return value as message content: str() of it, JSON for dicts and lists; a
+    PIL image (or a list holding some, text beside them) as content items."""
     if isinstance(value, str):
         return value
+    if _is_image(value):
+        return [{"type": "image", "image": value}]
+    if isinstance(value, (list, tuple)) and any(_is_image(v) for v in value):
+        return [{"type": "image", "image": v} if _is_image(v) else {"type": "text", "text": tool_result_text(v)}
+                for v in value]
     if isinstance(value, (dict, list)):
         return json.dumps(value, ensure_ascii=False, default=str)
     return str(value)
