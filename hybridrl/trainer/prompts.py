@@ -25,6 +25,10 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def images_of(self, row: int) -> ImageInputs | None:
+        """Row ``row``'s images (None: a text-only row or set)."""
+        return self.images[row] if self.images else None
+
     def subset(self, idx: list[int]) -> "PromptSet":
         return PromptSet([self.prompts[i] for i in idx], [self.answers[i] for i in idx],
                          [self.prompt_texts[i] for i in idx], [self.images[i] for i in idx])
