@@ -13,6 +13,11 @@ import torch
 from hybridrl.config.base import ConfigError
 
 
+# A vision-language model's vision tower (transformers' Qwen VL ``model.visual``) is never
+# adapted: LoRA targets the language model (its MLPs share the names gate/up/down_proj).
+VISION_TOWER = "visual"
+
+
 def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
@@ -24,8 +29,10 @@ def lora_targets(model: torch.nn.Module, target_modules: list[str], rank: int) -
     projections of every family). Raises a one-line :class:`ConfigError` when the list as a
     whole matches no ``nn.Linear`` (listing the model's linear module names; MoE routed
     experts are fused 3-D parameters, routers are not linears), or when ``rank`` exceeds a
-    targeted module's smaller dimension (its update would not be low-rank)."""
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targeted module's smaller dimension (its update would not be low-rank). A VL model's
+    vision tower (``VISION_TOWER``) is left out: adapters go on the language model only."""
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and VISION_TOWER not in n.split(".")}
     chosen = [n for n in linears if any(_matches(n, t) for t in target_modules)]
     if not chosen:  # peft's rule too: entries may miss (one list serves several families), not all of them
         suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})

@@ -20,6 +20,7 @@ from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprob
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import prefix_cache_expandable, shared_prefix_logprobs_entropy
 from hybridrl.trainer.teacher import Distiller
+from hybridrl.trainer.vision_model import freeze_vision_tower
 
 
 def scalar(t: torch.Tensor) -> float:
@@ -75,7 +76,10 @@ class Actor:
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: Config, distiller: Distiller | None = None) -> Actor:
-        """The run's actor over ``model`` (``optim``, ``algo``, ``batch``, ``rollout`` groups)."""
+        """The run's actor over ``model`` (``optim``, ``algo``, ``batch``, ``rollout`` groups; a
+        VL model's vision tower frozen first with ``model.freeze_vision``)."""
+        if cfg.model.freeze_vision:
+            freeze_vision_tower(model)
         return cls(model, optim=cfg.optim, algo=cfg.algo, temperature=cfg.rollout.temperature,
                    loss_scale_factor=float(cfg.rollout.max_tokens), batch=cfg.batch, seed=cfg.trainer.seed,
                    distiller=distiller)
@@ -107,12 +111,13 @@ class Actor:
 
     @torch.no_grad()
     def compute_log_prob(self, input_ids, attention_mask, response_mask, *, with_entropy: bool = False,
-                         routed_experts=None):
+                         routed_experts=None, images=None):
         """Log-probs ``[B, L]`` float32 (and entropy) of the current weights, no grad
-        (``routed_experts``: MoE expert choices of the engine to replay)."""
+        (``routed_experts``: MoE expert choices of the engine to replay; ``images``: a VL
+        batch's ``RowImages``)."""
         return logprobs_in_microbatches(self.model, input_ids, attention_mask, response_mask,
                                         temperature=self.temperature, max_tokens=self.max_tokens,
-                                        routed_experts=routed_experts,
+                                        routed_experts=routed_experts, images=images,
                                         with_entropy=with_entropy)
 
     def update(self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int,
@@ -120,7 +125,7 @@ class Actor:
         """PPO-style epochs over mini-batches shuffled by the actor's own generator. ``batch`` holds ``[N, L]`` tensors:
         input_ids, attention_mask, response_mask, advantages, and optionally old_log_prob
         (absent = on-policy: one epoch over one mini-batch), ref_log_prob,
-        rollout_log_prob, rollout_is_weights.
+        rollout_log_prob, rollout_is_weights; a VL batch also ``images`` (``RowImages``).
 
         ``proximal_is_cap`` (stale tokens, no old-log-prob pass): the decoupled weights
         ``min(exp(logp_prox - rollout_log_prob), cap)`` from the update's own forward — with
@@ -153,7 +158,7 @@ class Actor:
         # micro-batch (groups must stay together); else token-budgeted padded micro-batches.
         # (MoE replay and the router loss need every token through the plain packed forward)
         moe_extras = "routed_experts" in mb or self.router_aux_loss_coef > 0
-        shared = (self.shared_prefix and not moe_extras and "group" in mb
+        shared = (self.shared_prefix and not moe_extras and "group" in mb and "images" not in mb
                   and int(lengths.sum()) <= self.max_tokens and prefix_cache_expandable(self.model))
         micros = [list(range(len(lengths)))] if shared else self._micro(lengths)
         masks = [mb["response_mask"][m] for m in micros]
@@ -179,7 +184,8 @@ class Actor:
                        if moe_extras else None)
                 log_prob, entropy = compute_logprobs_entropy(
                     self.model, micro["input_ids"], micro["attention_mask"], micro["response_mask"],
-                    options=ForwardOptions(temperature=temperature, compute_entropy=True), moe=moe)
+                    options=ForwardOptions(temperature=temperature, compute_entropy=True), moe=moe,
+                    images=micro.get("images"))
             # On-policy fast path: without a separate old-log-prob pass, the policy that
             # sampled is the one being updated, so old = current (detached), ratio = 1.
             old_log_prob = micro.get("old_log_prob", log_prob.detach())

@@ -248,7 +248,7 @@ def compute_logprobs_entropy(
         images: vision-language models (Qwen2.5-VL / Qwen3-VL) only — each row's images
             (``RowImages``, None for a text-only row); their features fill the row's image
             placeholders, positions are mRoPE per sequence (``trainer/vision_forward.py``).
-            Image tokens the policy sampled (``response_mask`` = 1) are text, never placeholders.
+            A sampled ``<|image_pad|>`` (not enclosed by vision start / end) is text.
     Returns:
         ``(logprobs, entropy)``, both ``[B, L]`` float32; ``logprobs[b, t] = log
         softmax(logits[b, t-1] / T)[input_ids[b, t]]`` (T = ``options.temperature``) where
@@ -317,7 +317,7 @@ def _logprobs_entropy(model, input_ids, attention_mask, response_mask, *, option
         if moe is not None:
             raise ValueError("compute_logprobs_entropy: MoE routing replay / router logits are not supported for "
                              "vision-language models")
-        hidden_all, lookup = _vl_hidden_states(model, input_ids, attention_mask, response_mask, options, images)
+        hidden_all, lookup = _vl_hidden_states(model, input_ids, attention_mask, options, images)
     elif images is not None and images.any:
         raise ValueError(f"compute_logprobs_entropy: images for {type(model).__name__}, not a vision-language model")
     else:
@@ -355,22 +355,21 @@ def _hidden_states(model, input_ids, attention_mask, options: ForwardOptions, mo
     return hidden.last_hidden_state.flatten(0, 1), torch.arange(batch * seq, device=input_ids.device)
 
 
-def _vl_hidden_states(model, input_ids, attention_mask, response_mask, options: ForwardOptions,
-                      images: RowImages | None):
+def _vl_hidden_states(model, input_ids, attention_mask, options: ForwardOptions, images: RowImages | None):
     """``_hidden_states`` of a vision-language model (``trainer/vision_forward.py``)."""
     tokens = vision_tokens_of(model)
     if not options.packed:
-        return (vl_padded_hidden(model, input_ids, attention_mask, response_mask, images, tokens),
+        return (vl_padded_hidden(model, input_ids, attention_mask, images, tokens),
                 torch.arange(input_ids.numel(), device=input_ids.device))
     mean_len = float((attention_mask != 0).sum()) / max(input_ids.shape[0], 1)
     backend = _resolve_backend(options.attn_backend, input_ids.device, model.dtype, mean_len)
     return _packed_forward(model, input_ids, attention_mask, backend, options.max_tokens_per_microbatch,
-                           vision=(response_mask, images, tokens))
+                           vision=(images, tokens))
 
 
 def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=None, vision=None):
     """Hidden states of all real tokens ``[T, D]`` and ``lookup [B*L]`` (flat -> row of it).
-    ``vision``: ``(response_mask, images, tokens)`` of a vision-language model."""
+    ``vision``: ``(images, tokens)`` of a vision-language model."""
     batch, seq = input_ids.shape
     lengths = (attention_mask != 0).sum(dim=1)
     if max_tokens is None:
@@ -385,9 +384,9 @@ def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=N
             rows_t = torch.tensor(rows, device=input_ids.device)
             mask_g = attention_mask[rows_t]
             if vision is not None:
-                response, images, tokens = vision
-                hidden = vl_group_hidden(model, input_ids[rows_t], mask_g, response[rows_t],
-                                         None if images is None else images[rows], tokens, backend)
+                images, tokens = vision
+                hidden = vl_group_hidden(model, input_ids[rows_t], mask_g, None if images is None else images[rows],
+                                         tokens, backend)
             else:
                 routed_g = None if moe is None or moe.routed_experts is None else moe.routed_experts[rows_t]
                 hidden = _packed_hidden(model, input_ids[rows_t], mask_g, backend, routed_g, moe)  # (T_g, D)

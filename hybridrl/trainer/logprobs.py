@@ -9,17 +9,20 @@ from hybridrl.attention.packing import make_microbatches
 from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprobs_entropy
 
 
-def trim_padding_columns(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop columns that are padding in every row of the micro-batch (rows are right-padded)."""
+def trim_padding_columns(micro: dict) -> dict:
+    """Drop columns that are padding in every row of the micro-batch (rows are right-padded);
+    per-row values that are not tensors (``RowImages``) pass through."""
     L = int(micro["attention_mask"].sum(-1).max())
-    return {k: (v[:, :L] if v.dim() >= 2 else v) for k, v in micro.items()}  # [B, L] and [B, L, layers, k]
+    return {k: (v[:, :L] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v)
+            for k, v in micro.items()}  # [B, L] and [B, L, layers, k]
 
 
 @torch.no_grad()
 def logprobs_in_microbatches(model, input_ids, attention_mask, response_mask, *, temperature: float,
-                             max_tokens: int, with_entropy: bool = False, routed_experts=None):
+                             max_tokens: int, with_entropy: bool = False, routed_experts=None, images=None):
     """Token-budgeted no-grad log-probs (and entropy) ``[B, L]`` float32 for a whole batch.
-    ``routed_experts [B, L, layers, k]``: MoE expert choices to replay (see forward.MoEForward)."""
+    ``routed_experts [B, L, layers, k]``: MoE expert choices to replay (see forward.MoEForward);
+    ``images``: a VL batch's ``RowImages`` (see forward.compute_logprobs_entropy)."""
     B, L = input_ids.shape
     logprobs = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logprobs) if with_entropy else None
@@ -30,10 +33,12 @@ def logprobs_in_microbatches(model, input_ids, attention_mask, response_mask, *,
                  "response_mask": response_mask[rows]}
         if routed_experts is not None:
             micro["routed_experts"] = routed_experts[rows]
+        if images is not None:
+            micro["images"] = images[rows]
         micro = trim_padding_columns(micro)
         moe = MoEForward(routed_experts=micro["routed_experts"]) if routed_experts is not None else None
         lp, ent = compute_logprobs_entropy(model, micro["input_ids"], micro["attention_mask"],
-                                           micro["response_mask"], moe=moe,
+                                           micro["response_mask"], moe=moe, images=micro.get("images"),
                                            options=ForwardOptions(temperature=temperature,
                                                                   compute_entropy=with_entropy))
         width = lp.shape[1]

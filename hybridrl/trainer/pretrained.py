@@ -13,15 +13,18 @@ import torch
 
 
 def load_pretrained(path: str, dtype: torch.dtype, *, where: str = "model.path"):
-    """Model + tokenizer from a local HF checkpoint directory (never the hub).
+    """Model + tokenizer from a local HF checkpoint directory (never the hub); a vision-language
+    config (one with a ``vision_config``: Qwen2.5-VL, Qwen3-VL) loads as an image-text-to-text model.
 
     Every way the directory can be unusable is a one-line ValueError naming ``where=path``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     p = check_checkpoint(path, where)
     tokenizer = load_tokenizer(path, where)
+    auto = AutoModelForImageTextToText if "vision_config" in _read_json(p / "config.json", path, where) \
+        else AutoModelForCausalLM
     with checkpoint_errors(path, where, "cannot load the model"):
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
+        model = auto.from_pretrained(p, dtype=dtype, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from hybridrl.data.vision import RowImages
 from hybridrl.trainer.logprobs import logprobs_in_microbatches
 
 
@@ -36,11 +37,13 @@ class Reference:
 
     @torch.no_grad()
     def log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  response_mask: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+                  response_mask: torch.Tensor, routed_experts: torch.Tensor | None = None,
+                  images: RowImages | None = None) -> torch.Tensor:
         """``[B, L]`` float32 log-probs of the reference, aligned like ``Rollouts.logprobs``
-        (MoE: with the engine's expert choices replayed when ``routed_experts`` is given)."""
+        (MoE: with the engine's expert choices replayed when ``routed_experts`` is given;
+        VL: with each row's ``images``)."""
         with self.adapter_off() if self.adapter_off is not None else contextlib.nullcontext():
             lp, _ = logprobs_in_microbatches(self.model, input_ids, attention_mask, response_mask,
                                              temperature=self.temperature, max_tokens=self.max_tokens,
-                                             routed_experts=routed_experts)
+                                             routed_experts=routed_experts, images=images)
         return lp

@@ -8,16 +8,18 @@ the ids for a placeholder — a sampled one included. So the trainer calls the p
 
 1. the vision tower (``get_image_features``) on the micro-batch's images, outside any
    attention override (only the language model runs packed);
-2. per sequence, which image-token runs are placeholders (:func:`row_layout`) and its
-   positions ``hybridrl.data.vision.mrope_positions`` — the image bookkeeping is checked
-   there: image tokens == image features, one line otherwise;
+2. per sequence (never from the padded batch), its image placeholders and its positions,
+   ``hybridrl.data.vision.split_runs`` / ``mrope_positions`` — the image bookkeeping is
+   checked there: image tokens == image features, one line naming the row otherwise;
 3. the language model on ``inputs_embeds`` with the features at the placeholders, positions
    ``[4, 1, T]`` (per-sequence text positions, then the 3 mRoPE rows: transformers' packed
    form) or ``[3, n, L]`` (bucketed, right-padded), and Qwen3-VL's deepstack features
    (``visual_pos_masks`` / ``deepstack_visual_embeds``).
 
-A token the policy sampled (``response_mask`` = 1) is never a placeholder: like the engine
-that decoded it, the trainer embeds it as text at its text position.
+Placeholders are the image-token runs enclosed by ``<|vision_start|>`` / ``<|vision_end|>``
+(as every processor lays out an image): a ``<|image_pad|>`` the policy sampled is never one
+(the engines stop a VL sample at a sampled vision token, so it is never enclosed); like the
+engine that decoded it, the trainer embeds it as text at its text position.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.data.vision import (ImageInputs, ImageTokenMismatch, RowImages, VisionTokens, image_token_runs,
-                                  mrope_positions, split_runs)
-
-NOT_A_PLACEHOLDER = -1  # layout id of a sampled image / video token: text, not an image slot
+from hybridrl.data.vision import (ImageInputs, ImageTokenMismatch, RowImages, VisionTokens, mrope_positions,
+                                  split_runs)
 
 
 def vision_tokens_of(model: torch.nn.Module) -> VisionTokens | None:
@@ -43,32 +43,6 @@ def vision_tokens_of(model: torch.nn.Module) -> VisionTokens | None:
 def language_model(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder of a VL model (``model.model.language_model``): where attention overrides go."""
     return model.model.language_model
-
-
-def row_layout(ids: list[int], scored: list[bool], images: ImageInputs | None,
-               tokens: VisionTokens) -> tuple[list[int], list[tuple[int, int]]]:
-    """``(layout_ids, spans)`` of one sequence's real tokens: the ids with every sampled image
-    or video token (``scored``) set to ``NOT_A_PLACEHOLDER``, and each image's ``(start, stop)``.
-
-    A row with no scored token (a response masked out of the loss, e.g. for a sampled vision
-    token) whose fed runs do not match its images is matched in order instead: each run
-    takes whole images while they fit, the rest of it is text. Raises ``ImageTokenMismatch``
-    when the images' features still do not fit the ids (truncated placeholders)."""
-    media = (tokens.image_token_id, tokens.video_token_id)
-    layout = [NOT_A_PLACEHOLDER if s and t in media else t for t, s in zip(ids, scored)]
-    try:
-        return layout, split_runs(layout, images, tokens)
-    except ImageTokenMismatch:
-        if any(scored):
-            raise
-    layout = [NOT_A_PLACEHOLDER if t == tokens.video_token_id else t for t in ids]
-    counts, k = (images.features_per_image(tokens.spatial_merge_size) if images is not None else []), 0
-    for a, b in image_token_runs(layout, tokens.image_token_id):
-        while k < len(counts) and a + counts[k] <= b:
-            a += counts[k]
-            k += 1
-        layout[a:b] = [NOT_A_PLACEHOLDER] * (b - a)
-    return layout, split_runs(layout, images, tokens)
 
 
 @dataclass
@@ -85,8 +59,8 @@ class VLRows:
     images: ImageInputs | None
 
 
-def vl_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-            images: RowImages | None, tokens: VisionTokens) -> VLRows:
+def vl_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: RowImages | None,
+            tokens: VisionTokens) -> VLRows:
     """:class:`VLRows` of ``[n, L]`` rows (any padding); one-line ``ImageTokenMismatch`` naming
     the row when its image tokens and image features do not match."""
     real = attention_mask != 0
@@ -94,14 +68,13 @@ def vl_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask
     if len(rows) != input_ids.shape[0]:
         raise ValueError(f"compute_logprobs_entropy: {len(rows)} image rows for {input_ids.shape[0]} token rows")
     positions, slots, offset = [], [], 0
-    for r, (ids_r, keep, scored_r) in enumerate(zip(input_ids.tolist(), real.tolist(), (response_mask != 0).tolist())):
+    for r, (ids_r, keep) in enumerate(zip(input_ids.tolist(), real.tolist())):
         ids = [t for t, k in zip(ids_r, keep) if k]
-        scored = [s for s, k in zip(scored_r, keep) if k]
         try:
-            layout, spans = row_layout(ids, scored, rows[r], tokens)
+            spans = split_runs(ids, rows[r], tokens)
         except ImageTokenMismatch as e:
             raise ImageTokenMismatch(f"compute_logprobs_entropy: row {r}: {e}") from None
-        positions.append(mrope_positions(layout, rows[r], tokens)[0])
+        positions.append(mrope_positions(ids, rows[r], tokens)[0])
         slots += [offset + i for a, b in spans for i in range(a, b)]
         offset += len(ids)
     device = input_ids.device
@@ -170,14 +143,14 @@ def vl_dense_hidden(model, dense_ids: torch.Tensor, flat: torch.Tensor, rows: VL
     return out.last_hidden_state.flatten(0, 1)
 
 
-def vl_group_hidden(model, ids_g: torch.Tensor, mask_g: torch.Tensor, response_g: torch.Tensor,
-                    images_g: RowImages | None, tokens: VisionTokens, backend: str) -> torch.Tensor:
+def vl_group_hidden(model, ids_g: torch.Tensor, mask_g: torch.Tensor, images_g: RowImages | None,
+                    tokens: VisionTokens, backend: str) -> torch.Tensor:
     """Hidden states ``[T_g, D]`` of one micro-batch's real tokens (unpad order): the VL twin
     of ``forward._packed_hidden`` for the ``varlen`` / ``block_diagonal`` / ``bucketed`` backends."""
     from hybridrl.attention.packing import unpad, unpad_indices
 
     u = unpad_indices(mask_g)
-    rows = vl_rows(ids_g, mask_g, response_g, images_g, tokens)
+    rows = vl_rows(ids_g, mask_g, images_g, tokens)
     features = image_features(model, rows.images)
     ids = unpad(ids_g, u)  # (T_g,)
     if backend == "bucketed":  # right-aligned to the group's longest row: is_causal, no mask
@@ -193,13 +166,13 @@ def vl_group_hidden(model, ids_g: torch.Tensor, mask_g: torch.Tensor, response_g
     return vl_packed_hidden(model, ids, u.position_ids, rows, features, kwargs)
 
 
-def vl_padded_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                     images: RowImages | None, tokens: VisionTokens) -> torch.Tensor:
+def vl_padded_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: RowImages | None,
+                     tokens: VisionTokens) -> torch.Tensor:
     """Hidden states ``[B * L, D]`` of the plain padded forward (every position; the mask
     handles any padding side)."""
     from hybridrl.attention.packing import unpad_indices
 
-    rows = vl_rows(input_ids, attention_mask, response_mask, images, tokens)
+    rows = vl_rows(input_ids, attention_mask, images, tokens)
     features = image_features(model, rows.images)
     flat = unpad_indices(attention_mask).indices
     return vl_dense_hidden(model, input_ids, flat, rows, features, attention_mask=attention_mask)
