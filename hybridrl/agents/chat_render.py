@@ -156,3 +156,33 @@ def _last_index(ids: list[int], token: int) -> int:
             return i
     raise TemplateError(f"the end-of-turn token {token} does not occur in a rendered assistant turn; pass the "
                         "template's end-of-turn token as end_of_turn_id=")
+
+
+class ImageStep:
+    """The ``vision=`` of a VL policy's :class:`ChatRenderer`: ids with one ``<|image_pad|>``
+    per image (what a chat template renders for an image item) and the pictures (PIL images,
+    bytes, paths, data URLs) -> the ids with each image's feature count of pads, and the
+    processed images (``data/vl_prompts.py``: the same image processor as the data set's).
+    A picture that cannot be used raises ``ValueError`` (its episode fails, nothing else)."""
+
+    def __init__(self, prompts: Any):
+        """``prompts``: the policy's ``VLPromptRenderer``."""
+        self.prompts = prompts
+
+    def __call__(self, ids: list[int], pictures: list) -> tuple[list[int], ImageInputs | None]:
+        from pathlib import Path
+
+        from hybridrl.data.vl_prompts import load_image
+
+        tokens = self.prompts.tokens
+        pads = [i for i, t in enumerate(ids) if t == tokens.image_token_id]
+        if len(pads) != len(pictures):
+            raise ValueError(f"{len(pictures)} image item(s) rendered as {len(pads)} <|image_pad|> token(s); the chat "
+                             "template must render each image item as one")
+        images = self.prompts.process([load_image(p, Path.cwd()) for p in pictures])
+        counts = images.features_per_image(tokens.spatial_merge_size)
+        out, last = [], 0
+        for at, n in zip(pads, counts):
+            out += ids[last:at] + [tokens.image_token_id] * n
+            last = at + 1
+        return out + ids[last:], images

@@ -53,6 +53,7 @@ class ExactEngine:
         first = next(model.parameters())
         check_batch_invariance(first.dtype, device=first.device)
         self.model = model
+        self.hf_config = model.config  # what every engine exposes (the served model's config)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.pad_token_id = pad_token_id
         self.vocab_size = model.get_output_embeddings().weight.shape[0]

@@ -19,7 +19,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridrl.config import Config, DataConfig
 from hybridrl.distributed.context import DistContext
-from hybridrl.pipeline.engines import build_engine, check_engine_choice, check_vision_language
+from hybridrl.pipeline.engines import (build_engine, chat_renderer, check_engine_choice, check_vision_language,
+                                       vision_ids)
 from hybridrl.job.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
@@ -245,7 +246,8 @@ def _step(cfg: Config, parts: _Parts, runner, train_set: PromptSet, longest_prom
     distiller = _distiller(cfg, tokenizer, engine, device)
     actor = Actor.from_config(model, cfg, distiller=distiller)
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
-                                        device=device, sharded=dp is not None, mesh=mesh, lora=lora)
+                                        device=device, sharded=dp is not None, mesh=mesh, lora=lora,
+                                        vision_ids=vision_ids(model.config))
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
     scorer = RewardScorer(runner, tokenizer)
     pad_id = tokenizer.pad_token_id or 0
@@ -280,7 +282,8 @@ def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int, 
     from hybridrl.pipeline.tasks import EpisodeGroups, SingleTurnGroups
 
     if cfg.env.name is None:
-        return SingleTurnGroups(train_set, scorer, rollout.sampling, pad_id=pad_id, teacher=teacher)
+        return SingleTurnGroups(train_set, scorer, rollout.sampling, pad_id=pad_id, teacher=teacher,
+                                vision_ids=vision_ids(rollout.engine.hf_config))
     from hybridrl.agents.environment import environment_kind, load_environment
 
     tools = environment_kind(load_environment(cfg.env.name)) == "tools"
@@ -292,12 +295,12 @@ def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int, 
 def eval_episode_runner(cfg: Config, rollout, tokenizer):
     """Episodes for the held-out eval on ``rollout``'s engine, with an environment pool of
     their own (the training producers' pools serve their own engines)."""
-    from hybridrl.agents.chat_render import ChatRenderer
     from hybridrl.agents.episodes import EpisodeRunner
     from hybridrl.pipeline.engines import env_pool, episode_limits
 
     pool = env_pool(cfg)
-    return EpisodeRunner(rollout.engine, pool, ChatRenderer(tokenizer, pool.schemas), tokenizer, rollout.sampling,
+    renderer = chat_renderer(cfg, tokenizer, rollout.engine.hf_config, pool.schemas)
+    return EpisodeRunner(rollout.engine, pool, renderer, tokenizer, rollout.sampling,
                          episode_limits(cfg))
 
 

@@ -123,8 +123,8 @@ def build_runner(cfg: Config, engine, tokenizer, *, lockstep=None, leader: bool 
         return WorkRunner(engine, step_latency_s=latency)
     pool = env_pool(cfg)
     try:
-        driver = episode_driver(cfg, engine, tokenizer, pool, sampling_params(cfg.rollout, tokenizer.eos_token_id),
-                                lockstep=lockstep, leader=leader)
+        sampling = sampling_params(cfg.rollout, tokenizer.eos_token_id, vision_ids(engine.hf_config))
+        driver = episode_driver(cfg, engine, tokenizer, pool, sampling, lockstep=lockstep, leader=leader)
     except BaseException:
         pool.close()
         raise
@@ -135,15 +135,41 @@ def episode_driver(cfg: Config, engine, tokenizer, pool, sampling, *, lockstep=N
                    overlap: bool | None = None):
     """The chat renderer (checked: the template must render a conversation as its turns
     appended) and the episode driver on ``engine`` with ``pool``'s environments."""
-    from hybridrl.agents.chat_render import ChatRenderer, check_template
+    from hybridrl.agents.chat_render import check_template
     from hybridrl.agents.episode_driver import EpisodeDriver
 
-    renderer = ChatRenderer(tokenizer, pool.schemas)
+    renderer = chat_renderer(cfg, tokenizer, engine.hf_config, pool.schemas)
     check_template(renderer, name=f"the tokenizer's ({cfg.model.path or 'built-in'})")
     e = cfg.env
     return EpisodeDriver(engine, pool if leader else None, renderer, sampling, episode_limits(cfg),
                          overlap=e.overlap if overlap is None else overlap, env_latency_s=e.latency_ms / 1000,
                          lockstep=lockstep)
+
+
+def chat_renderer(cfg: Config, tokenizer, hf_config, schemas):
+    """The episodes' chat renderer; a VL policy's renders the pictures environments and tools
+    send with the data set's image processor (``data.min_pixels`` / ``max_pixels``)."""
+    from hybridrl.agents.chat_render import ChatRenderer, ImageStep
+
+    if getattr(hf_config, "vision_config", None) is None:
+        return ChatRenderer(tokenizer, schemas)
+    from hybridrl.data.vl_prompts import VLPromptRenderer
+
+    d = cfg.data
+    prompts = VLPromptRenderer.for_model(tokenizer, hf_config, image_key=d.image_key, min_pixels=d.min_pixels,
+                                         max_pixels=d.max_pixels, max_images=d.max_images,
+                                         processor_dir=cfg.model.path)
+    return ChatRenderer(tokenizer, schemas, vision=ImageStep(prompts))
+
+
+def vision_ids(hf_config) -> tuple[int, ...]:
+    """A VL policy's vision special tokens (a sampled one ends its sample: ``data/vision.py``);
+    () for a text model."""
+    if getattr(hf_config, "vision_config", None) is None:
+        return ()
+    from hybridrl.data.vision import VisionTokens
+
+    return VisionTokens.from_hf_config(hf_config).special_ids
 
 
 def env_pool(cfg: Config):

@@ -48,10 +48,7 @@ class RolloutWorker:
         spec = WeightSyncSpec(bucket_bytes=refit.bucket_mb << 20, verify=refit.verify, sharded=sharded,
                               tensor_parallel=mesh is not None and mesh.tp.size > 1, lora=lora,
                               lora_mode=rollout.lora_mode)
-        sampling = sampling_params(rollout, eos_token_id)
-        if vision_ids:
-            sampling = dataclasses.replace(sampling, stop_token_ids=(*sampling.stop_token_ids, *vision_ids))
-        return cls(engine, sampling, device=device, sync=spec, mesh=mesh)
+        return cls(engine, sampling_params(rollout, eos_token_id, vision_ids), device=device, sync=spec, mesh=mesh)
 
     @property
     def version(self) -> int:
@@ -84,9 +81,11 @@ class RolloutWorker:
         return self.engine.generate(prompts, params)
 
 
-def sampling_params(rollout: RolloutConfig, eos_token_id: int | None) -> SamplingParams:
+def sampling_params(rollout: RolloutConfig, eos_token_id: int | None,
+                    vision_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The one translation of ``rollout.*`` into engine sampling settings (training and
-    ``hybridrl eval`` alike); the per-prompt seed is set at sampling time."""
+    ``hybridrl eval`` alike); the per-prompt seed is set at sampling time. Stops at
+    ``eos_token_id`` and at a VL policy's ``vision_ids`` (``pipeline/engines.py::vision_ids``)."""
+    stops = ((eos_token_id,) if eos_token_id is not None else ()) + tuple(vision_ids)
     return SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
-                          max_tokens=rollout.max_tokens, n=rollout.n,
-                          stop_token_ids=(eos_token_id,) if eos_token_id is not None else ())
+                          max_tokens=rollout.max_tokens, n=rollout.n, stop_token_ids=stops)
