@@ -386,7 +386,7 @@ def _packed_forward(model, input_ids, attention_mask, backend, max_tokens, moe=N
             if vision is not None:
                 images, tokens = vision
                 hidden = vl_group_hidden(model, input_ids[rows_t], mask_g, None if images is None else images[rows],
-                                         tokens, backend)
+                                         tokens, backend, rows)
             else:
                 routed_g = None if moe is None or moe.routed_experts is None else moe.routed_experts[rows_t]
                 hidden = _packed_hidden(model, input_ids[rows_t], mask_g, backend, routed_g, moe)  # (T_g, D)

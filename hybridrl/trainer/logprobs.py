@@ -19,10 +19,15 @@ def trim_padding_columns(micro: dict) -> dict:
 
 @torch.no_grad()
 def logprobs_in_microbatches(model, input_ids, attention_mask, response_mask, *, temperature: float,
-                             max_tokens: int, with_entropy: bool = False, routed_experts=None, images=None):
+                             max_tokens: int, with_entropy: bool = False, **per_row):
     """Token-budgeted no-grad log-probs (and entropy) ``[B, L]`` float32 for a whole batch.
-    ``routed_experts [B, L, layers, k]``: MoE expert choices to replay (see forward.MoEForward);
-    ``images``: a VL batch's ``RowImages`` (see forward.compute_logprobs_entropy)."""
+    ``per_row`` (None = absent): ``routed_experts [B, L, layers, k]``, MoE expert choices to
+    replay (see forward.MoEForward); ``images``, a VL batch's ``RowImages`` (see
+    forward.compute_logprobs_entropy)."""
+    unknown = set(per_row) - {"routed_experts", "images"}
+    if unknown:
+        raise TypeError(f"logprobs_in_microbatches: unexpected arguments {sorted(unknown)}")
+    routed_experts, images = per_row.get("routed_experts"), per_row.get("images")
     B, L = input_ids.shape
     logprobs = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logprobs) if with_entropy else None

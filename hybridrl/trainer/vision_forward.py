@@ -60,9 +60,10 @@ class VLRows:
 
 
 def vl_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: RowImages | None,
-            tokens: VisionTokens) -> VLRows:
+            tokens: VisionTokens, batch_rows: list[int] | None = None) -> VLRows:
     """:class:`VLRows` of ``[n, L]`` rows (any padding); one-line ``ImageTokenMismatch`` naming
-    the row when its image tokens and image features do not match."""
+    the row (its index in the batch: ``batch_rows[r]``) when its image tokens and image
+    features do not match."""
     real = attention_mask != 0
     rows = images.rows if images is not None else [None] * input_ids.shape[0]
     if len(rows) != input_ids.shape[0]:
@@ -73,7 +74,8 @@ def vl_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: RowIm
         try:
             spans = split_runs(ids, rows[r], tokens)
         except ImageTokenMismatch as e:
-            raise ImageTokenMismatch(f"compute_logprobs_entropy: row {r}: {e}") from None
+            row = r if batch_rows is None else batch_rows[r]
+            raise ImageTokenMismatch(f"compute_logprobs_entropy: row {row}: {e}") from None
         positions.append(mrope_positions(ids, rows[r], tokens)[0])
         slots += [offset + i for a, b in spans for i in range(a, b)]
         offset += len(ids)
@@ -144,13 +146,14 @@ def vl_dense_hidden(model, dense_ids: torch.Tensor, flat: torch.Tensor, rows: VL
 
 
 def vl_group_hidden(model, ids_g: torch.Tensor, mask_g: torch.Tensor, images_g: RowImages | None,
-                    tokens: VisionTokens, backend: str) -> torch.Tensor:
+                    tokens: VisionTokens, backend: str, batch_rows: list[int]) -> torch.Tensor:
     """Hidden states ``[T_g, D]`` of one micro-batch's real tokens (unpad order): the VL twin
-    of ``forward._packed_hidden`` for the ``varlen`` / ``block_diagonal`` / ``bucketed`` backends."""
+    of ``forward._packed_hidden`` for the ``varlen`` / ``block_diagonal`` / ``bucketed``
+    backends. ``batch_rows``: the group's rows in the batch (for error messages)."""
     from hybridrl.attention.packing import unpad, unpad_indices
 
     u = unpad_indices(mask_g)
-    rows = vl_rows(ids_g, mask_g, images_g, tokens)
+    rows = vl_rows(ids_g, mask_g, images_g, tokens, batch_rows)
     features = image_features(model, rows.images)
     ids = unpad(ids_g, u)  # (T_g,)
     if backend == "bucketed":  # right-aligned to the group's longest row: is_causal, no mask
