@@ -75,7 +75,7 @@ def _base_model(cfg, ckpt: Path, tmp: Path):
         return base, tokenizer, str(Path(cfg.model.path).resolve())
     from safetensors import safe_open
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     with safe_open(str(base_file), framework="pt") as f:
         meta = f.metadata() or {}
@@ -84,7 +84,8 @@ def _base_model(cfg, ckpt: Path, tmp: Path):
                          "rerun the job with this version")
     hf_config = json.loads(meta["hf_config"])
     config = AutoConfig.for_model(**hf_config)
-    base = AutoModelForCausalLM.from_config(config, dtype=cfg.model.torch_dtype)
+    auto = AutoModelForImageTextToText if "vision_config" in hf_config else AutoModelForCausalLM  # VL layout
+    base = auto.from_config(config, dtype=cfg.model.torch_dtype)
     tensors = load_file(str(base_file))
     missing, unexpected = base.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
