@@ -20,8 +20,6 @@ import torch
 
 from hybridrl.data.vision import ImageInputs
 
-from hybridrl.data.vision import ImageInputs
-
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -44,9 +42,6 @@ class RequestOutput:
     """prompt tokens whose KV came from the parent's cache instead of a prefill."""
     routed_experts: torch.Tensor | None = None
     """MoE routing record: ``[len(prompt) + len(tokens), n_moe_layers, k]`` int16, -1 = not fed."""
-    images: ImageInputs | None = None
-    """the request's images (vision-language; what its image tokens were fed), for whoever
-    assembles the training batch; None for a text-only request."""
     images: ImageInputs | None = None
     """the request's images (a VL policy's prompt), as they were added; None for text."""
 

@@ -13,8 +13,6 @@ import torch
 
 from hybridrl.data.vision import RowImages
 
-from hybridrl.data.vision import RowImages
-
 
 @dataclass
 class Rollouts:
@@ -40,8 +38,6 @@ class Rollouts:
     token_versions: torch.Tensor | None = None
     """[B, L] long: the weight version that sampled each response token, -1 elsewhere."""
     images: RowImages | None = None
-    """vision-language: each row's images (None for a text-only row); None when no row has any."""
-    images: RowImages | None = None
     """a VL policy's rows: each row's prompt images (``data/vision.py``), None for text."""
 
     def response_versions(self) -> set[int]:
@@ -61,8 +57,6 @@ def rollouts_from_outputs(outputs, pad_token_id: int = 0) -> Rollouts:
     tv = torch.full_like(ro.input_ids, -1)
     tv[ro.response_mask.bool()] = torch.tensor([x for v in versions for x in v], dtype=torch.long)
     ro.token_versions = tv
-    if any(getattr(o, "images", None) is not None for o in outputs):
-        ro.images = RowImages([o.images for o in outputs])
     if any(o.images is not None for o in outputs):
         ro.images = RowImages([o.images for o in outputs])
     if outputs and outputs[0].routed_experts is not None:

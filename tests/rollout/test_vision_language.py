@@ -114,3 +114,164 @@ def test_prefill_and_decode_match_transformers_and_the_engines_own_prefill(famil
             got = torch.stack(got)
             _close(got, ref_b[len(ids):len(ids) + len(resp) - 1], seed, f"row {b} decode vs transformers")
             _close(got, own_b[len(ids):len(ids) + len(resp) - 1], seed, f"row {b} decode vs own prefill")
+
+
+def _run(eng, rid, ids, params, **kw):
+    eng.add_request(rid, ids, params, **kw)
+    return eng.run_until_finished([rid])[rid]
+
+
+def _logit_scale(eng, ids, images) -> float:
+    return float(eng.logits(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), RowImages([images]))
+                 .abs().max())
+
+
+def _continuation(cfg, rng, gen, ids, im, first):
+    """The next turn of a conversation: the first turn's prompt and answer, text and one more
+    image; its images (the first turn's, then the new one) and placeholders (the answer is text)."""
+    new_ids, new_im = vl.prompt(cfg, rng, 1, gen)
+    child = ids + first.token_ids + new_ids
+    placeholders = [True] * len(ids) + [False] * len(first.token_ids) + [True] * len(new_ids)
+    return child, ImageInputs.concat([im, new_im]), placeholders, new_im
+
+
+@pytest.mark.parametrize("family", vl.FAMILIES)
+def test_extend_after_a_retained_prefix_with_images_equals_a_full_prefill_without_reencoding(family):
+    seed, cfg, rng, gen, rows = _draw(family, n_rows=(2,))
+    hf = vl.hf_model(cfg, seed=3)
+    eng = vl.engine(cfg, hf)
+    ids, im = rows[0]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    first = _run(eng, "t1", ids, params, retain=True, images=im)
+    child, images, placeholders, new_im = _continuation(cfg, rng, gen, ids, im, first)
+    counter = eng.model.model.vision_counter
+    before = (counter.calls, counter.images, counter.patches)
+    second = _run(eng, "t2", child, params, parent="t1", images=images, placeholders=placeholders)
+    assert second.cached_tokens == len(ids) + len(first.token_ids) - 1, seed
+    assert (counter.calls - before[0], counter.images - before[1], counter.patches - before[2]) == (
+        1, 1, new_im.pixel_values.shape[0]), f"only the new image is encoded (seed {seed})"
+    fresh = vl.engine(cfg, hf)
+    full = _run(fresh, "f", child, params, images=images, placeholders=placeholders)
+    assert full.cached_tokens == 0 and fresh.model.model.vision_counter.images == images.n_images
+    assert second.token_ids == full.token_ids, f"extend != full prefill (seed {seed})"
+    _close(torch.tensor(second.logprobs), torch.tensor(full.logprobs), seed, "extend log-probs",
+           scale=_logit_scale(fresh, child, images))
+
+
+@pytest.mark.parametrize("family", vl.FAMILIES)
+def test_same_ids_with_other_images_are_neither_deduplicated_nor_a_prefix_hit(family):
+    seed, cfg, rng, gen, rows = _draw(family, n_rows=(1,))
+    hf = vl.hf_model(cfg, seed=4)
+    ids, im = rows[0]
+    other = ImageInputs.of(torch.randn(im.pixel_values.shape, generator=gen), im.grid_thw)  # same grid
+    assert other.keys != im.keys
+    eng = vl.engine(cfg, hf)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    out = eng.generate([ids, ids, ids], params, images=[im, other, im])
+    counter = eng.model.model.vision_counter
+    assert (counter.calls, counter.images) == (1, 2), f"im and other once each, one tower call (seed {seed})"
+    assert out.response_token_ids[0] == out.response_token_ids[2] and torch.equal(out.logprobs[0], out.logprobs[2])
+    for row, image in ((0, im), (1, other)):
+        alone = vl.engine(cfg, hf).generate([ids], params, images=[image])
+        assert alone.response_token_ids[0] == out.response_token_ids[row], f"row {row} (seed {seed})"
+    mask = torch.ones(2, len(ids), dtype=torch.long)
+    last = eng.logits(torch.tensor([ids, ids]), mask, RowImages([im, other]))[:, -1]
+    assert not torch.allclose(last[0], last[1], rtol=1e-3, atol=1e-3), f"the image matters (seed {seed})"
+    # a continuation whose first image is another picture: the prefix serves nothing from there on
+    parent = _run(eng, "p", ids, params, retain=True, images=im)
+    child, images, placeholders, _ = _continuation(cfg, rng, gen, ids, other, parent)
+    got = _run(eng, "c", child, params, parent="p", images=images, placeholders=placeholders)
+    assert got.cached_tokens <= ids.index(vl.IMAGE), f"a prefix hit over another image (seed {seed})"
+    full = _run(vl.engine(cfg, hf), "f", child, params, images=images, placeholders=placeholders)
+    assert got.token_ids == full.token_ids, seed
+
+
+def _state(eng) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in eng.named_state_tensors() if not n.startswith("kv_cache")}
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("family", vl.FAMILIES)
+def test_refit_a_to_b_is_bitwise_a_fresh_load_of_b_vision_tower_included(family, quantization):
+    seed, cfg, _, _, rows = _draw(family, n_rows=(0, 2))
+    hf_a, hf_b = vl.hf_model(cfg, seed=5), vl.hf_model(cfg, seed=6)
+    refitted = vl.engine(cfg, hf_a, quantization=quantization)
+    trainer_names = set(hf_b.state_dict()) - refitted.weight_routes.ignored
+    assert refitted.expected_weight_names() == trainer_names, seed
+    assert any(n.startswith("model.visual.") for n in trainer_names)
+    before = {n: t.data_ptr() for n, t in refitted.named_state_tensors()}
+    refit_from_model(refitted, hf_b, verify=True)
+    assert {n: t.data_ptr() for n, t in refitted.named_state_tensors()} == before, "refit moved a tensor"
+    fresh = vl.engine(cfg, hf_b, quantization=quantization)
+    state = _state(refitted)
+    for name, t in _state(fresh).items():
+        assert torch.equal(state[name], t), f"{name} (seed {seed})"
+    visual = dict(hf_b.named_parameters())
+    for name, p in refitted.model.named_parameters():
+        if name.startswith("model.visual."):  # full precision whatever the language model is
+            assert p.dtype == torch.float32 and torch.equal(p, visual[name]), name
+    if quantization == "fp8":
+        qkv = refitted.model.model.language_model.layers[0].self_attn.qkv_proj.weight
+        assert qkv.dtype == torch.float8_e4m3fn
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    a = refitted.generate([ids for ids, _ in rows], params, images=[im for _, im in rows])
+    b = fresh.generate([ids for ids, _ in rows], params, images=[im for _, im in rows])
+    assert a.response_token_ids == b.response_token_ids and torch.equal(a.logprobs, b.logprobs), seed
+
+
+@pytest.mark.parametrize("family", vl.FAMILIES)
+def test_refit_mid_answer_recomputes_with_the_images_encoded_again(family):
+    seed, cfg, _, _, rows = _draw(family, n_rows=(2,))
+    hf_a, hf_b = vl.hf_model(cfg, seed=7), vl.hf_model(cfg, seed=8)
+    ids, im = rows[0]
+    eng = vl.engine(cfg, hf_a)
+    eng.add_request("r", ids, SamplingParams(max_tokens=6, temperature=0.0), images=im)
+    eng.step()
+    eng.step()
+    counter = eng.model.model.vision_counter
+    assert counter.images == 2
+    refit_from_model(eng, hf_b)
+    out = eng.run_until_finished(["r"])["r"]
+    assert counter.images == 4, f"recompute encodes the images again (seed {seed})"
+    n_a = out.token_versions.count(1)
+    assert n_a == 2 and out.token_versions[n_a:] == [2] * (len(out.token_ids) - n_a)
+    # what B answers after the prompt and A's tokens (as text)
+    head = ids + out.token_ids[:n_a]
+    b = _run(vl.engine(cfg, hf_b), "b", head, SamplingParams(max_tokens=4, temperature=0.0), images=im,
+             placeholders=[True] * len(ids) + [False] * n_a)
+    assert b.token_ids == out.token_ids[n_a:], seed
+    _close(torch.tensor(b.logprobs), torch.tensor(out.logprobs[n_a:]), seed, "after refit",
+           scale=_logit_scale(eng, ids, im))
+
+
+@pytest.mark.parametrize("family", vl.FAMILIES)
+def test_image_token_mismatch_is_refused_in_one_line_with_the_engine_untouched(family):
+    seed, cfg, rng, gen, rows = _draw(family, n_rows=(2,))
+    ids, im = rows[0]
+    eng = vl.engine(cfg, vl.hf_model(cfg, seed=9))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    bigger = ImageInputs.of(torch.randn(8 * 8, im.pixel_values.shape[1], generator=gen), torch.tensor([[1, 8, 8]]))
+    cases = {"no images": None, "one image missing": im.select(0, 1), "an extra image": ImageInputs.concat([im, bigger]),
+             "another size": ImageInputs.concat([im.select(0, 1), bigger])}
+    for what, bad in cases.items():
+        with pytest.raises(ImageTokenMismatch) as e:
+            eng.add_request("r", ids, params, images=bad)
+        assert "\n" not in str(e.value) and "'r'" in str(e.value), (what, str(e.value))
+        assert not eng.has_unfinished_requests() and not eng.scheduler.live, what
+        with pytest.raises(ImageTokenMismatch):
+            eng.generate([ids], params, images=[bad])
+        assert not eng.has_unfinished_requests() and not eng.scheduler.live, what
+    # an <|image_pad|> outside <|vision_start|> ... <|vision_end|> (a sampled one) is text
+    ok = _run(eng, "r", ids + [vl.IMAGE], params, images=im)
+    assert ok.finish_reason == "length" and ok.images is im
+    with pytest.raises(ImageTokenMismatch):  # unless the caller says it is a placeholder
+        eng.add_request("r2", ids + [vl.IMAGE], params, images=im, placeholders=[True] * (len(ids) + 1))
+    assert not eng.scheduler.live
+    text = vl.engine(cfg, vl.hf_model(cfg, seed=9))
+    assert _run(text, "t", [1, 2, 3], params).images is None
+    from tests.rollout.conftest import make_config
+    from hybridrl.rollout import EngineSpec, RolloutEngine
+    plain = RolloutEngine(make_config("qwen2"), EngineSpec(max_batch_size=1, max_seq_len=16))
+    with pytest.raises(ValueError, match="takes none") as e:
+        plain.add_request("x", [1, 2], params, images=im)
+    assert "\n" not in str(e.value) and not plain.scheduler.live
