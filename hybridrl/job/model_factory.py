@@ -153,7 +153,8 @@ def _mrope_section(head_dim: int, hw_share: tuple[int, int]) -> list[int]:
     return [half - 2 * hw, hw, hw]
 
 
-def _text_kwargs(tokenizer, spec: ModelConfig, max_position_embeddings: int) -> dict:
+def _text_kwargs(tokenizer, spec: ModelConfig, max_position_embeddings: int) -> tuple[dict, dict]:
+    """The language model's config kwargs sized by ``spec``, and the vision token ids."""
     from hybridrl.data.vl_tokenizer import vision_token_ids
 
     return dict(vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,

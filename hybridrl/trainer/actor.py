@@ -20,6 +20,7 @@ from hybridrl.trainer.forward import ForwardOptions, MoEForward, compute_logprob
 from hybridrl.trainer.logprobs import logprobs_in_microbatches, trim_padding_columns
 from hybridrl.trainer.shared_prefix import prefix_cache_expandable, shared_prefix_logprobs_entropy
 from hybridrl.trainer.teacher import Distiller
+from hybridrl.trainer.vision_forward import vision_tokens_of
 from hybridrl.trainer.vision_model import freeze_vision_tower
 
 
@@ -156,9 +157,9 @@ class Actor:
         lengths = mb["attention_mask"].sum(-1)
         # Shared-prefix forward when rows carry their group and the mini-batch is one
         # micro-batch (groups must stay together); else token-budgeted padded micro-batches.
-        # (MoE replay and the router loss need every token through the plain packed forward)
+        # (MoE replay, the router loss and VL images need every token through the plain packed forward)
         moe_extras = "routed_experts" in mb or self.router_aux_loss_coef > 0
-        shared = (self.shared_prefix and not moe_extras and "group" in mb and "images" not in mb
+        shared = (self.shared_prefix and not moe_extras and "group" in mb and vision_tokens_of(self.model) is None
                   and int(lengths.sum()) <= self.max_tokens and prefix_cache_expandable(self.model))
         micros = [list(range(len(lengths)))] if shared else self._micro(lengths)
         masks = [mb["response_mask"][m] for m in micros]
