@@ -38,10 +38,18 @@ def _check_messages(messages: Any, where: str) -> str | None:
     if not isinstance(messages, list):
         return f"bad result: {where} returned {type(messages).__name__} messages; return a list of message dicts"
     for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))):
             return (f"bad result: {where} returned the message {str(m)[:60]!r}; each message is "
-                    '{"role": str, "content": str}')
+                    '{"role": str, "content": str or a list of {"type": "text"|"image", ...} items}')
     return None
+
+
+def _is_content(content: Any) -> bool:
+    """Text, or content items (a VL policy's pictures: ``{"type": "image", "image": ...}``)."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(it, dict) and it.get("type") in ("text", "image")
+                                             for it in content)
 
 
 def env_reset(cls: type, row: dict) -> tuple:
