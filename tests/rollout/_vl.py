@@ -126,3 +126,43 @@ def hf_batch(rows: list[tuple[list[int], ImageInputs | None]], pad: int = 0):
     if images is not None:
         batch.update(pixel_values=images.pixel_values, image_grid_thw=images.grid_thw)
     return batch
+
+
+def tp_worker(rank: int, world: int, port: int, family: str, seed: int, out: str) -> None:
+    """One rank of a tensor-parallel VL engine next to the whole engine (gloo, CPU): logits of a
+    left-padded mixed batch and greedy answers with images; the result saved to ``out.rank``."""
+    import os
+
+    import torch.distributed as dist
+
+    from hybridrl.data.vision import RowImages
+    from hybridrl.refit import refit_from_model
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.rollout.layers.tensor_parallel import TensorParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    cfg = draw_config(family, rng)
+    rows = [prompt(cfg, rng, n, gen) for n in (0, 1, 2)]
+    hf = hf_model(cfg, seed=seed % 1000)
+    whole = engine(cfg, hf)
+    sharded = engine(cfg, tensor_parallel=TensorParallel(rank, world, dist.group.WORLD))
+    refit_from_model(sharded, hf, verify=True)
+    batch = hf_batch(rows)
+    images = RowImages([im for _, im in rows])
+    mask = batch["attention_mask"].bool()
+    ref = whole.logits(batch["input_ids"], batch["attention_mask"], images)[mask]
+    got = sharded.logits(batch["input_ids"], batch["attention_mask"], images)[mask]
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(IMAGE, VIDEO, START, END))
+    a = whole.generate([ids for ids, _ in rows], params, images=[im for _, im in rows])
+    b = sharded.generate([ids for ids, _ in rows], params, images=[im for _, im in rows])
+    torch.save(dict(logit_gap=float((ref - got).abs().max()), logit_scale=float(ref.abs().max()),
+                    greedy_equal=a.response_token_ids == b.response_token_ids,
+                    logprob_gap=float((a.logprobs - b.logprobs).abs().max()),
+                    tower_whole=all(p.shape == q.shape for p, q in zip(sharded.model.model.visual.parameters(),
+                                                                       whole.model.model.visual.parameters()))),
+               f"{out}.{rank}")
+    dist.barrier()
+    os._exit(0)
