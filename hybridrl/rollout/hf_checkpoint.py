@@ -18,6 +18,8 @@ layouts made plain —
 - **DeepSeek-V4** (``model_type: deepseek_v4``): native names with or without ``model.``,
   ``P.scale`` tile scales (float8_e8m0fnu or float32), FP4 experts (int8 + e8m0 scales),
   ``mtp.N.*`` skipped — translated and dequantized by :mod:`hybridrl.rollout.models.deepseek_v4.checkpoint`.
+- **Qwen2.5-VL** as released (``visual.*``, ``model.layers.*``): renamed to transformers 5's
+  ``model.visual.*`` / ``model.language_model.*`` (:mod:`hybridrl.rollout.models.vision_language.checkpoint`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from hybridrl.rollout.models.deepseek_v4 import checkpoint as v4_checkpoint
+from hybridrl.rollout.models.vision_language import checkpoint as vl_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ def weight_sources(names: dict[str, str], hf_config: Any) -> dict[str, tuple[str
     for name in names:
         if name not in skip and not name.endswith(SCALE_SUFFIX):
             scale = name + SCALE_SUFFIX
-            sources[name] = (name, scale if scale in names else None)
+            sources[vl_checkpoint.engine_name(name, hf_config)] = (name, scale if scale in names else None)
     return sources
 
 

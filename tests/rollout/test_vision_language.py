@@ -275,3 +275,22 @@ def test_image_token_mismatch_is_refused_in_one_line_with_the_engine_untouched(f
     with pytest.raises(ValueError, match="takes none") as e:
         plain.add_request("x", [1, 2], params, images=im)
     assert "\n" not in str(e.value) and not plain.scheduler.live
+
+
+@pytest.mark.parametrize("family", vl.FAMILIES)
+def test_from_pretrained_reads_the_saved_vl_layout_and_memory_counts_the_tower(family, tmp_path):
+    """transformers 5 saves Qwen2.5-VL in the released layout (``visual.*``, ``model.layers.*``)
+    and Qwen3-VL in its own (``model.visual.*``, ``model.language_model.*``): both load."""
+    from hybridrl.rollout import EngineSpec, RolloutEngine
+
+    seed, cfg, _, _, rows = _draw(family, n_rows=(1,))
+    hf = vl.hf_model(cfg, seed=10)
+    hf.save_pretrained(tmp_path)
+    loaded = RolloutEngine.from_pretrained(str(tmp_path), EngineSpec(max_batch_size=2, max_seq_len=96))
+    direct = vl.engine(cfg, hf, max_batch_size=2, max_seq_len=96)
+    state = _state(direct)
+    for name, t in _state(loaded).items():
+        assert torch.equal(state[name], t), f"{name} (seed {seed})"
+    tower = sum(p.numel() * p.element_size() for p in direct.model.model.visual.parameters())
+    params = {id(p): p for p in direct.model.parameters()}.values()
+    assert tower > 0 and direct.memory.weights == sum(p.numel() * p.element_size() for p in params)

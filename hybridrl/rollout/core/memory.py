@@ -39,7 +39,7 @@ UNLIMITED = 1 << 60  # a cgroup v1 "no limit" reads as ~2**63 rounded to pages
 
 def weight_bytes(engine_model: torch.nn.Module) -> int:
     """An engine model's weight bytes: its parameters (codes and scales of quantized layers;
-    a tied head once) and its derived caches (dequantized FP8 / MXFP4 copies, MLA's absorbed
+    a tied head once; a vision-language model's vision tower, full precision) and its derived caches (dequantized FP8 / MXFP4 copies, MLA's absorbed
     matrices). Positional tables (rope) are not weights and not counted."""
     tensors = [*engine_model.parameters(), *(c.tensor for _, c in named_derived_caches(engine_model))]
     return sum(t.numel() * t.element_size() for t in tensors)
