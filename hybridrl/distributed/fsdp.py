@@ -45,16 +45,26 @@ def _fresh_outputs(fn: Callable) -> Callable:
     return method
 
 
+# the repeated blocks each FSDP unit wraps: a causal LM's decoder layers; a vision-language
+# model's language layers and vision-tower blocks (transformers 5's Qwen-VL layout)
+LAYER_PATHS = (("model.layers",), ("layers",), ("backbone.layers",), ("model.language_model.layers", "model.visual.blocks"))
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    for path in ("model.layers", "layers", "backbone.layers"):
-        node = model
-        try:
-            for part in path.split("."):
-                node = getattr(node, part)
-        except AttributeError:
-            continue
-        return list(node)
+    for paths in LAYER_PATHS:
+        found = [_lookup(model, path) for path in paths]
+        if all(node is not None for node in found):
+            return [layer for node in found for layer in node]
     return []
+
+
+def _lookup(model: torch.nn.Module, path: str):
+    node = model
+    for part in path.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

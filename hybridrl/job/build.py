@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hybridrl.config import Config, DataConfig
 from hybridrl.distributed.context import DistContext
 from hybridrl.pipeline.engines import (build_engine, chat_renderer, check_engine_choice, check_vision_language,
-                                       vision_ids)
+                                       vision_ids, vl_prompt_renderer)
 from hybridrl.job.metrics_log import MetricsLog
 from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rl_step import BatchShape, RLStep
@@ -148,7 +148,7 @@ def build_run(cfg: Config, console: Console | None = None, dp: DistContext | Non
     model.to(device)
     sft = demos = None
     if cfg.data.train_files:
-        train_set, eval_set = _file_data(cfg, tokenizer, console)
+        train_set, eval_set = _file_data(cfg, tokenizer, console, model.config)
     elif agent_task:
         from hybridrl.job.agent_data import calculator_data
 
@@ -345,24 +345,30 @@ def _reasoning_gym_data(cfg: Config, tokenizer, console: Console) -> tuple[Promp
     return tr, ev, sft
 
 
-def prompt_set_from_files(files: list[str], tokenizer, data: DataConfig, console: Console) -> PromptSet:
-    """Prompts (jsonl, parquet or a ``datasets`` directory) with the skip report printed."""
+def prompt_set_from_files(files: list[str], tokenizer, data: DataConfig, console: Console,
+                          vision=None) -> PromptSet:
+    """Prompts (jsonl, parquet or a ``datasets`` directory) with the skip report printed;
+    ``vision``: a VL policy's ``VLPromptRenderer`` (``pipeline/engines.py::vl_prompt_renderer``)."""
     from hybridrl.data.files import load_prompt_files
 
     recs, report = load_prompt_files(files, tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                                     max_prompt_length=data.max_prompt_length, system_prompt=data.system_prompt)
+                                     max_prompt_length=data.max_prompt_length, system_prompt=data.system_prompt,
+                                     vision=vision)
     console(f"data {', '.join(files)}: {report.summary()}")
     return PromptSet([r.prompt_ids for r in recs], [r.answer for r in recs],
-                     [tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in recs])
+                     [tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in recs],
+                     [r.images for r in recs])
 
 
-def _file_data(cfg: Config, tokenizer, console: Console) -> tuple[PromptSet, PromptSet]:
+
+def _file_data(cfg: Config, tokenizer, console: Console, hf_config) -> tuple[PromptSet, PromptSet]:
     d = cfg.data
-    train = prompt_set_from_files(d.train_files, tokenizer, d, console)
+    vision = vl_prompt_renderer(cfg, tokenizer, hf_config)
+    train = prompt_set_from_files(d.train_files, tokenizer, d, console, vision)
     if not train.prompts:
         raise ValueError(f"data.train_files {d.train_files}: no usable prompts (see the skip counts above)")
     if d.val_files:
-        return train, prompt_set_from_files(d.val_files, tokenizer, d, console)
+        return train, prompt_set_from_files(d.val_files, tokenizer, d, console, vision)
     rng = random.Random(d.seed)
     order = list(range(len(train.prompts)))
     rng.shuffle(order)

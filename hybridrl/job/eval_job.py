@@ -3,6 +3,7 @@ configured reward (greedy accuracy, pass@k, maj@k) and write the samples as json
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from hybridrl.config import Config
@@ -27,7 +28,14 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
                          "datasets directory)")
     check_checkpoint(model_dir, "--model")
     tokenizer = load_tokenizer(model_dir, "--model")
-    prompts = prompt_set_from_files(list(files), tokenizer, cfg.data, console)
+    from transformers import AutoConfig
+
+    from hybridrl.pipeline.engines import vision_ids, vl_prompt_renderer
+
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_dir))  # its image processor
+    prompts = prompt_set_from_files(list(files), tokenizer, cfg.data, console,
+                                    vl_prompt_renderer(cfg, tokenizer, hf_config))
     if not len(prompts):
         raise ValueError(f"data files {files}: no usable prompts (see the skip counts above)")
     r = cfg.rollout
@@ -35,7 +43,8 @@ def evaluate_checkpoint(cfg: Config, model_dir: str, out: Path | None, console=p
     engine = RolloutEngine.from_pretrained(model_dir, max_batch_size=min(256, max(1, len(prompts)) * max(1, cfg.eval.k)),
                                            max_seq_len=longest + r.max_tokens, dtype=DTYPES[cfg.model.dtype],
                                            device=cfg.trainer.device)
-    worker = RolloutWorker(engine, sampling_params(r, tokenizer.eos_token_id), device=torch.device(cfg.trainer.device),
+    worker = RolloutWorker(engine, sampling_params(r, tokenizer.eos_token_id, vision_ids(hf_config)),
+                           device=torch.device(cfg.trainer.device),
                            sync=WeightSyncSpec(bucket_bytes=1 << 26, verify=False))
     runner = RewardRunner.from_config(cfg.reward)
     try:

@@ -151,15 +151,21 @@ def chat_renderer(cfg: Config, tokenizer, hf_config, schemas):
     send with the data set's image processor (``data.min_pixels`` / ``max_pixels``)."""
     from hybridrl.agents.chat_render import ChatRenderer, ImageStep
 
+    prompts = vl_prompt_renderer(cfg, tokenizer, hf_config)
+    return ChatRenderer(tokenizer, schemas, vision=None if prompts is None else ImageStep(prompts))
+
+
+def vl_prompt_renderer(cfg: Config, tokenizer, hf_config):
+    """A VL policy's prompt renderer (its chat template, and the image processor of
+    ``model.path`` or the model's patch sizes, at ``data.*``'s pixel bounds): data files,
+    environments and tools render pictures with it alike. None for a text model."""
     if getattr(hf_config, "vision_config", None) is None:
-        return ChatRenderer(tokenizer, schemas)
+        return None
     from hybridrl.data.vl_prompts import VLPromptRenderer
 
     d = cfg.data
-    prompts = VLPromptRenderer.for_model(tokenizer, hf_config, image_key=d.image_key, min_pixels=d.min_pixels,
-                                         max_pixels=d.max_pixels, max_images=d.max_images,
-                                         processor_dir=cfg.model.path)
-    return ChatRenderer(tokenizer, schemas, vision=ImageStep(prompts))
+    return VLPromptRenderer.for_model(tokenizer, hf_config, image_key=d.image_key, min_pixels=d.min_pixels,
+                                      max_pixels=d.max_pixels, max_images=d.max_images, processor_dir=cfg.model.path)
 
 
 def vision_ids(hf_config) -> tuple[int, ...]:
