@@ -32,7 +32,7 @@ def build_vision_tower(dims: VlDims, dtype: torch.dtype, device: torch.device) -
     config = dims.vision_config.__class__.from_dict(dims.vision_config.to_dict())
     config._attn_implementation = TOWER_ATTENTION
     with torch.device(device):
-        tower = AutoModel.from_config(config, torch_dtype=dtype)
+        tower = AutoModel.from_config(config, dtype=dtype)
     tower.requires_grad_(False).eval()
     for p in tower.parameters():
         p.weight_loader = copy_loader
