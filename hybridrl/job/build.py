@@ -245,9 +245,9 @@ def _step(cfg: Config, parts: _Parts, runner, train_set: PromptSet, longest_prom
                           tensor_parallel=mesh.tp if mesh is not None else None, lora=lora, policy=model)
     distiller = _distiller(cfg, tokenizer, engine, device)
     actor = Actor.from_config(model, cfg, distiller=distiller)
-    rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit, eos_token_id=tokenizer.eos_token_id,
-                                        device=device, sharded=dp is not None, mesh=mesh, lora=lora,
-                                        vision_ids=vision_ids(model.config))
+    rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit,
+                                        stop=(tokenizer.eos_token_id, vision_ids(model.config)), device=device,
+                                        sharded=dp is not None, mesh=mesh, lora=lora)
     critic = Critic.from_config(cfg, model.config, device) if cfg.algo.advantage.estimator == "gae" else None
     scorer = RewardScorer(runner, tokenizer)
     pad_id = tokenizer.pad_token_id or 0

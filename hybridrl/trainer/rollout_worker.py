@@ -40,15 +40,15 @@ class RolloutWorker:
 
     @classmethod
     def from_config(cls, engine: RolloutBackend, rollout: RolloutConfig, refit: RefitConfig, *,
-                    eos_token_id: int | None, device: torch.device, sharded: bool = False, mesh=None,
-                    lora=None, vision_ids: tuple[int, ...] = ()) -> RolloutWorker:
-        """The run's worker: ``rollout.*`` sampling (stopping at ``eos_token_id``, and at a VL
-        policy's ``vision_ids``: a sampled vision token ends the sample, see ``data/vision.py``)
-        and ``refit.*``; ``sharded``: the policy is FSDP2-sharded for RL (several ranks)."""
+                    stop: tuple[int | None, tuple[int, ...]], device: torch.device, sharded: bool = False,
+                    mesh=None, lora=None) -> RolloutWorker:
+        """The run's worker: ``rollout.*`` sampling, stopping at ``stop = (eos_token_id,
+        vision_ids)`` (a VL policy's vision tokens end a sample, see ``data/vision.py``; () for
+        text), and ``refit.*``; ``sharded``: the policy is FSDP2-sharded for RL (several ranks)."""
         spec = WeightSyncSpec(bucket_bytes=refit.bucket_mb << 20, verify=refit.verify, sharded=sharded,
                               tensor_parallel=mesh is not None and mesh.tp.size > 1, lora=lora,
                               lora_mode=rollout.lora_mode)
-        return cls(engine, sampling_params(rollout, eos_token_id, vision_ids), device=device, sync=spec, mesh=mesh)
+        return cls(engine, sampling_params(rollout, *stop), device=device, sync=spec, mesh=mesh)
 
     @property
     def version(self) -> int:
