@@ -81,22 +81,22 @@ class ChatRenderer:
     def opening_images(self, messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
         """:meth:`opening` of messages whose content may hold images (``{"type": "image",
         "image": <PIL image | bytes | path>}`` items): the ids and the images they hold."""
-        return self._with_images(self.opening(messages), messages)
+        return self._with_images(self.opening, messages)
 
     def continuation_images(self, messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
         """:meth:`continuation` of messages that may hold images (an environment's or a tool's
         picture): the ids to append and the images they hold, in order."""
-        return self._with_images(self.continuation(messages), messages)
+        return self._with_images(self.continuation, messages)
 
-    def _with_images(self, ids: list[int], messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
+    def _with_images(self, render: Callable[[list[dict]], list[int]],
+                     messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
         pictures = [item.get("image") for m in messages if isinstance(m.get("content"), list)
                     for item in m["content"] if isinstance(item, dict) and item.get("type") == "image"]
-        if not pictures:
-            return ids, None
-        if self.vision is None:
+        if pictures and self.vision is None:  # before rendering: a text template may not take content lists
             raise TemplateError(f"a message holds {len(pictures)} image(s) but the policy is a text model; "
                                 "use a vision-language model (model.arch=qwen2_5_vl / qwen3_vl) or send text")
-        return self.vision(ids, pictures)
+        ids = render(messages)
+        return (ids, None) if not pictures else self.vision(ids, pictures)
 
     def text(self, sampled: list[int]) -> str:
         """A turn's text for the environment: its sampled ids without the end-of-turn token."""
