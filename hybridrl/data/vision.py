@@ -50,6 +50,13 @@ class VisionTokens:
                    vision_end_id=int(getattr(cfg, "vision_end_token_id", cfg.vision_start_token_id + 1)),
                    spatial_merge_size=int(cfg.vision_config.spatial_merge_size))
 
+    @classmethod
+    def of(cls, cfg: Any) -> "VisionTokens | None":
+        """A model config's vision tokens; None for a text model (no ``vision_config``)."""
+        if getattr(cfg, "vision_config", None) is None or getattr(cfg, "image_token_id", None) is None:
+            return None
+        return cls.from_hf_config(cfg)
+
     @property
     def special_ids(self) -> tuple[int, ...]:
         """Ids a policy must never be trained to emit as features: a sampled one is masked

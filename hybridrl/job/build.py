@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridrl.config import Config, DataConfig
+from hybridrl.data.vision import VisionTokens
 from hybridrl.distributed.context import DistContext
 from hybridrl.pipeline.engines import (build_engine, chat_renderer, check_engine_choice, check_vision_language,
                                        vision_ids, vl_prompt_renderer)
@@ -76,10 +77,7 @@ class Run:
     @property
     def vision_tokens(self):
         """The policy's ``VisionTokens`` (a VL policy), else None."""
-        from hybridrl.data.vision import VisionTokens
-
-        cfg = self.policy.config
-        return VisionTokens.from_hf_config(cfg) if getattr(cfg, "vision_config", None) is not None else None
+        return VisionTokens.of(self.policy.config)
 
     @property
     def lora(self):
@@ -283,7 +281,7 @@ def group_kind(cfg: Config, train_set: PromptSet, scorer, rollout, pad_id: int, 
 
     if cfg.env.name is None:
         return SingleTurnGroups(train_set, scorer, rollout.sampling, pad_id=pad_id, teacher=teacher,
-                                vision_ids=vision_ids(rollout.engine.hf_config))
+                                vision=VisionTokens.of(rollout.engine.hf_config))
     from hybridrl.agents.environment import environment_kind, load_environment
 
     tools = environment_kind(load_environment(cfg.env.name)) == "tools"

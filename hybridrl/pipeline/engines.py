@@ -171,11 +171,10 @@ def vl_prompt_renderer(cfg: Config, tokenizer, hf_config):
 def vision_ids(hf_config) -> tuple[int, ...]:
     """A VL policy's vision special tokens (a sampled one ends its sample: ``data/vision.py``);
     () for a text model."""
-    if getattr(hf_config, "vision_config", None) is None:
-        return ()
     from hybridrl.data.vision import VisionTokens
 
-    return VisionTokens.from_hf_config(hf_config).special_ids
+    tokens = VisionTokens.of(hf_config)
+    return () if tokens is None else tokens.special_ids
 
 
 def env_pool(cfg: Config):

@@ -26,6 +26,8 @@ from collections import Counter
 import torch
 
 from hybridrl.agents.trajectory import Trajectory, episode_metrics, trajectories_to_rollouts
+from hybridrl.data.vision import VisionTokens
+from hybridrl.data.vision_mask import vision_token_response_mask
 from hybridrl.pipeline.work import EpisodeWork, SampleWork
 from hybridrl.rewards import RewardBatch
 from hybridrl.rollout.backend import request_seed
@@ -36,13 +38,13 @@ from hybridrl.trainer.step_batch import StepBatch
 class SingleTurnGroups:
     kind = "single-turn"
 
-    def __init__(self, train_set, scorer, sampling, *, pad_id: int, teacher=None, vision_ids: tuple[int, ...] = ()):
-        """``vision_ids``: a VL policy's vision special tokens: a sample that emitted one (the
-        engines stop there) is kept in its group but masked out of the loss."""
+    def __init__(self, train_set, scorer, sampling, *, pad_id: int, teacher=None, vision: VisionTokens | None = None):
+        """``vision``: a VL policy's vision tokens: a sample that emitted one (the engines stop
+        there) is kept in its group but masked out of the loss."""
         self.train_set, self.scorer, self.sampling, self.pad_id = train_set, scorer, sampling, pad_id
         self.n = sampling.n
         self.teacher = teacher  # a trainer.teacher.Teacher, or None
-        self.vision_ids = frozenset(vision_ids)
+        self.vision = vision
 
     def work(self, row: int, seed: int, keys: list[str]) -> list[SampleWork]:
         """Sample ``j`` of the group is the request ``keys[j]``, seeded ``request_seed(seed, j)``
@@ -61,11 +63,10 @@ class SingleTurnGroups:
 
     def assemble(self, rows: list[int], outputs: list[list], rewards: list[RewardBatch],
                  device: torch.device) -> StepBatch:
-        flat = [o for group in outputs for o in group]
-        ro = rollouts_to_device(rollouts_from_outputs(flat, self.pad_id), device)
-        for b, o in enumerate(flat):
-            if self.vision_ids and o.token_ids and o.token_ids[-1] in self.vision_ids:
-                ro.response_mask[b] = 0.0  # a sampled vision token: never a placeholder, never trained
+        ro = rollouts_to_device(rollouts_from_outputs([o for group in outputs for o in group], self.pad_id), device)
+        if self.vision is not None:  # a sampled vision token: never a placeholder, never trained
+            keep = vision_token_response_mask(ro.input_ids, torch.tensor(ro.prompt_lengths, device=device), self.vision)
+            ro.response_mask *= keep[:, None]
         sb = StepBatch.from_groups(rows, self.n, ro)
         _set_rewards(sb, RewardBatch.concat(rewards))
         return sb

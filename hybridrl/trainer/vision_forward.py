@@ -34,10 +34,7 @@ from hybridrl.data.vision import (ImageInputs, ImageTokenMismatch, RowImages, Vi
 
 def vision_tokens_of(model: torch.nn.Module) -> VisionTokens | None:
     """The vision token ids of a Qwen VL model (None for a text model)."""
-    cfg = model.config
-    if getattr(cfg, "vision_config", None) is None or getattr(cfg, "image_token_id", None) is None:
-        return None
-    return VisionTokens.from_hf_config(cfg)
+    return VisionTokens.of(model.config)
 
 
 def language_model(model: torch.nn.Module) -> torch.nn.Module:
