@@ -19,6 +19,7 @@ from hybridrl.pipeline.tasks import SingleTurnGroups
 from hybridrl.pipeline.work import WorkRunner
 from hybridrl.rewards import RewardBatch
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+from hybridrl.trainer.prompts import PromptSet
 from hybridrl.trainer.rollout_worker import RolloutWorker
 from hybridrl.trainer.weight_sync import WeightSyncSpec
 
@@ -42,7 +43,7 @@ def test_requests_in_flight_continue_under_each_new_version() -> None:
     models = {v: _model(rng.randrange(1000)) for v in (3, 4, 5)}  # the policy's weights at versions 3, 4, 5
     P, n, L = 2, 2, 24
     prompts = [[rng.randrange(1, 32) for _ in range(rng.randint(3, 6))] for _ in range(20)]
-    train_set = SimpleNamespace(prompts=prompts, answers=[None] * 20, prompt_texts=[""] * 20)
+    train_set = PromptSet(prompts, [None] * 20, [""] * 20)
     sampling = SamplingParams(n=n, max_tokens=L, temperature=1.0)  # no stop token: every answer is L long
 
     def worker(engine):

@@ -20,6 +20,7 @@ from hybridrl.pipeline.source import SourceSettings
 from hybridrl.pipeline.tasks import SingleTurnGroups
 from hybridrl.rewards import RewardBatch
 from hybridrl.rollout import SamplingParams
+from hybridrl.trainer.prompts import PromptSet
 from hybridrl.rollout.requests import RequestOutput
 
 
@@ -99,8 +100,7 @@ def test_no_trained_token_is_staler_than_the_bound(max_staleness: int, partial: 
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     P, n, steps, train_size = 3, 2, 10, 50
-    train_set = SimpleNamespace(prompts=[[i % 7 + 1, 3] for i in range(train_size)], answers=[None] * train_size,
-                                prompt_texts=[""] * train_size)
+    train_set = PromptSet([[i % 7 + 1, 3] for i in range(train_size)], [None] * train_size, [""] * train_size)
     settings = SourceSettings(overlapped=True, groups_per_step=P,
                               max_staleness=max_staleness, partial=partial, workers=workers, timeout_s=60, restarts=0)
     groups = SingleTurnGroups(train_set, SimpleNamespace(score=score), SamplingParams(n=n, max_tokens=64), pad_id=0)
