@@ -39,6 +39,8 @@ from hybridrl.rollout.weight_update import WeightUpdate, WeightUpdateError
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
+DEFAULT_CHUNKED_PREFILL = False
+"""a prompt longer than the prefill budget is prefilled whole, alone, unless ``engine.chunked_prefill``."""
 
 
 class RolloutEngine(WeightUpdateBracket):
@@ -60,7 +62,8 @@ class RolloutEngine(WeightUpdateBracket):
         ``enforce_eager``: no CUDA graphs; ``record_routing``: record MoE routing for replay in the trainer.
         ``kv_on_refit``: in-flight requests after a weight update: "recompute" their KV
         (exact) or "keep" it (approximate); ``max_prefill_tokens``: new prompt tokens
-        prefilled per step; ``prefix_cache_bytes``: budget of retained conversation KV.
+        prefilled per step (a longer prompt is prefilled in chunks: ``chunked_prefill``);
+        ``prefix_cache_bytes``: budget of retained conversation KV.
         ``tensor_parallel``: this rank's place in a tensor-parallel group (``layers/
         tensor_parallel.py``): every rank of the group builds its engine with the same
         arguments and must be handed the same requests in the same order (each step's
@@ -103,7 +106,8 @@ class RolloutEngine(WeightUpdateBracket):
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and self.config.v4 is None
         self.scheduler = Scheduler(self.runner, self.config.vocab_size, lambda: self._weight_version,
                                    max_prefill_tokens=max_prefill_tokens,
-                                   prefix_cache_bytes=prefix_cache_bytes, kv_on_refit=kv_on_refit)
+                                   prefix_cache_bytes=prefix_cache_bytes, kv_on_refit=kv_on_refit,
+                                   chunked_prefill=DEFAULT_CHUNKED_PREFILL)
         # one step or one bracket call at a time: a weight update waits for the step in flight
         self._lock = threading.Lock()
         self._generate_calls = itertools.count()
@@ -230,6 +234,19 @@ class RolloutEngine(WeightUpdateBracket):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether a prompt longer than ``max_prefill_tokens`` is prefilled in chunks of the budget,
+        one per step between the running requests' decode steps; False (``DEFAULT_CHUNKED_PREFILL``):
+        whole, in one step, alone (every running request waits for it). DeepSeek-V4 never chunks (its state
+        cannot extend). Settable between steps; a chunked prefill under way finishes in chunks."""
+        return self.scheduler.chunked
+
+    @chunked_prefill.setter
+    def chunked_prefill(self, on: bool) -> None:
+        with self._lock:
+            self.scheduler.chunked = bool(on) and self.scheduler.chunks.usable
 
     @property
     def kv_on_refit(self) -> str:

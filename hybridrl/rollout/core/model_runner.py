@@ -40,6 +40,9 @@ class ModelRunner:
         self.rows = torch.arange(max_batch_size, device=device)  # decode cache rows, static
         self.slot_ids = torch.arange(max_seq_len, device=device)  # for decode masks, static
         self.graphs: CudaGraphRunner | None = None
+        # a cache row decode must leave alone (a chunked prefill's, core/chunked_prefill.py): no
+        # graph whose padding rows would write into it replays while it is set
+        self.protected_row: int | None = None
         # Decode attention through flash-attn's per-row cache lengths (CUDA, fp16/bf16, the
         # package installed): cost ~ live length, also inside a graph. Else the masked path.
         self.flash_decode = (model.config.mla is None  # MLA decodes over its latent cache (models/deepseek_v3/mla.py)
@@ -108,7 +111,7 @@ class ModelRunner:
         (with flash decode, each row over its own length in both modes).
         `aligned` promises every position == kv_len - 1, so eager mode needs no mask.
         """
-        if self.graphs is not None and self.graphs.can_run(tokens.shape[0]):
+        if self.graphs is not None and self.graphs.can_run(tokens.shape[0]) and self._graph_spares(tokens.shape[0]):
             return self.graphs.replay(tokens, positions, rope_deltas)
         with torch.inference_mode():
             if self.compiled:
@@ -118,6 +121,10 @@ class ModelRunner:
             if rope_deltas is None:
                 return self._decode_step(tokens, positions, kv_len, aligned)
             return self._decode_step(tokens, positions, kv_len, aligned, rope_deltas)
+
+    def _graph_spares(self, B: int) -> bool:
+        """Whether the graph that runs ``B`` rows pads short of ``protected_row``."""
+        return self.protected_row is None or next(b for b in self.graphs.batch_sizes if b >= B) <= self.protected_row
 
     def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
                      aligned: bool = False, rope_deltas: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,11 +7,18 @@
    a ``retain``-ed one leaves its KV in the prefix cache, the rows are freed at once;
 3. **admit** waiting requests FIFO into the free rows, against a per-step prefill budget
    (``max_prefill_tokens`` new prompt tokens; at least one request per step, so a prompt
-   longer than the budget still runs, alone): fresh prompts in one right-padded prefill
+   longer than the budget still runs, alone — or, with ``chunked_prefill``, is
+   prefilled in chunks: ``core/chunked_prefill.py``): fresh prompts in one right-padded prefill
    (identical prompts — the ``n`` samples of a GRPO group — prefilled once and their rows
    copied), continued conversations as an *extend* over their parent's retained prefix.
    Each admitted request samples its first token from its prefill logits; it decodes
    from the next step on.
+
+With ``chunked_prefill``, a prompt longer than the whole budget takes its first chunk from
+what the budget has left at its turn, and one chunk per later step, before any admission:
+a step decodes the running rows and prefills at most ``max_prefill_tokens`` new tokens (a
+chunk may run on to the end of an image), so no running request waits more than one
+chunk per token. Nothing changes while no prompt exceeds the budget.
 
 So a request that finishes frees its row for a waiting one in the same step, and a
 long answer never holds back the rest (the run-to-completion loop this replaces waited
@@ -45,6 +52,7 @@ import torch
 
 from hybridrl.rollout.backend import check_parent, check_request, request_seed
 from hybridrl.data.vision import ImageInputs
+from hybridrl.rollout.core.chunked_prefill import ChunkedPrefill
 from hybridrl.rollout.core.kv_cache import KVCache
 from hybridrl.rollout.core.prefix_cache import PrefixCache, PrefixEntry, common_prefix_length
 from hybridrl.rollout.routing import active_recorder
@@ -58,8 +66,9 @@ KV_ON_REFIT = ("recompute", "keep")
 
 class Scheduler:
     def __init__(self, runner, vocab_size: int, weight_version: Callable[[], int], *, max_prefill_tokens: int,
-                 prefix_cache_bytes: int, kv_on_refit: str = "recompute"):
-        """``weight_version``: reads the engine's version (the engine is its only writer)."""
+                 prefix_cache_bytes: int, kv_on_refit: str = "recompute", chunked_prefill: bool = True):
+        """``weight_version``: reads the engine's version (the engine is its only writer);
+        ``chunked_prefill``: prefill prompts longer than the budget in chunks (False: alone, whole)."""
         if kv_on_refit not in KV_ON_REFIT:
             raise ValueError(f"kv_on_refit={kv_on_refit!r}: use 'recompute' (default, exact) or 'keep'")
         self.runner, self.kv_cache = runner, runner.kv_cache
@@ -72,7 +81,10 @@ class Scheduler:
         self.live: dict[str, Sequence] = {}  # every waiting or running request by id
         self.prefixes = PrefixCache(prefix_cache_bytes)
         self._weight_version = weight_version
-        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_requests": 0}
+        self.chunks = ChunkedPrefill(runner)
+        self.chunked = chunked_prefill and self.chunks.usable
+        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_requests": 0,
+                      "chunks": 0}
 
     @property
     def weight_version(self) -> int:
@@ -139,6 +151,8 @@ class Scheduler:
         if s in self.waiting:
             self.waiting.remove(s)
             return _output(s, "abort")
+        if self.chunks.remove(s):
+            return _output(s, "abort")
         row = self.batch.seqs.index(s)
         (_, toks, lps), = self.batch.take_outputs([row])
         s.generated += toks
@@ -151,15 +165,18 @@ class Scheduler:
         return self.prefixes.drop(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or self.batch.n > 0
+        return bool(self.waiting) or self.batch.n > 0 or self.chunks.current is not None
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> StepOutput:
         out = StepOutput()
         done = self.batch.decode_step(self.runner, self.recorder) if self.batch.n else []
         self._retire(done, out)
-        if self.waiting and self.batch.free_rows:
-            self._admit(out)
+        budget = self.max_prefill_tokens
+        if self.chunks.current is not None:
+            budget -= self._advance_chunk(out, budget)
+        if self.waiting and self.batch.free_rows > self.chunks.reserved and budget > 0:
+            self._admit(out, budget)
         out.running = tuple(self.batch.seqs)
         self.stats["steps"] += 1
         return out
@@ -189,11 +206,11 @@ class Scheduler:
                                                     self.weight_version,
                                                     s.layout.annotations if s.layout is not None else ()))
 
-    def _admit(self, out: StepOutput) -> None:
+    def _admit(self, out: StepOutput, budget: int) -> None:
         fresh: list[Sequence] = []  # prefilled from slot 0
         extend: list[tuple[Sequence, PrefixEntry, int]] = []  # (seq, parent prefix, cached tokens)
         seen: set[tuple[int, ...]] = set()
-        budget, free = self.max_prefill_tokens, self.batch.free_rows
+        free, chunk = self.batch.free_rows - self.chunks.reserved, None
         while self.waiting and len(fresh) + len(extend) < free:
             s = self.waiting[0]
             tokens = s.fed_tokens
@@ -205,7 +222,9 @@ class Scheduler:
             key = s.prefill_key if not cached else None
             if key is not None and key in seen:
                 cost = 0  # an identical prompt in this prefill: its rows are copied
-            if cost > budget and (fresh or extend):
+            if cost > budget and (fresh or extend or self.chunked):
+                if self.chunked and cost > self.max_prefill_tokens and self.chunks.current is None and budget:
+                    chunk = (self._take_group(key, free - len(fresh) - len(extend)), entry, cached)
                 break
             self.waiting.popleft()
             budget -= cost
@@ -215,6 +234,9 @@ class Scheduler:
                 fresh.append(s)
                 seen.add(key)
         logits = []
+        if chunk is not None and not (fresh or extend):
+            self._start_chunk(chunk, out, budget)
+            return
         if fresh:
             logits.append(self._prefill_fresh(fresh, out))
         if extend:
@@ -226,6 +248,40 @@ class Scheduler:
         done = self.batch.add(seqs, torch.cat(logits) if len(logits) > 1 else logits[0])
         assert self.batch.n == r0 + len(seqs)
         self._retire(done, out)
+        if chunk is not None:
+            self._start_chunk(chunk, out, budget)
+
+    # ---- chunked prefill (core/chunked_prefill.py) ---------------------------------------------
+    def _take_group(self, key: tuple | None, room: int) -> list[Sequence]:
+        """The queue's head and the identical prompts right behind it (``room`` rows at most)."""
+        group = [self.waiting.popleft()]
+        while (key is not None and len(group) < room and self.waiting and self.waiting[0].parent is None
+               and self.waiting[0].prefill_key == key):
+            group.append(self.waiting.popleft())
+        return group
+
+    def _start_chunk(self, chunk: tuple[list[Sequence], PrefixEntry | None, int], out: StepOutput,
+                     budget: int) -> None:
+        seqs, entry, cached = chunk
+        self.chunks.start(seqs, entry, cached, self.recorder)
+        if cached:
+            self.stats["cached_tokens"] += cached
+            self.prefixes.hit_tokens += cached
+        self._advance_chunk(out, budget)
+
+    def _advance_chunk(self, out: StepOutput, budget: int) -> int:
+        """The chunked request's next chunk; after its last, it joins the running rows. Tokens fed."""
+        fed, logits = self.chunks.advance(budget, self.recorder)
+        out.prefilled_tokens += fed
+        self.stats["prefill_tokens"] += fed
+        self.stats["chunks"] += 1
+        if logits is not None:
+            seqs = self.chunks.finish(self.batch.n, self.recorder)
+            for s in seqs:
+                s.version_marks.append((len(s.generated), self.weight_version))
+            done = self.batch.add(seqs, logits[[0] * len(seqs)])
+            self._retire(done, out)
+        return fed
 
     def _parent_prefix(self, s: Sequence) -> PrefixEntry | None:
         if s.parent is None or s.generated:  # a recomputed request runs its whole prefix again
@@ -294,7 +350,15 @@ class Scheduler:
 
     # ---- weights -------------------------------------------------------------------------
     def on_weights_changed(self, version: int) -> None:
-        """A weight update committed ``version`` (called between steps)."""
+        """A weight update committed ``version`` (called between steps). A request being
+        prefilled in chunks restarts its prefill under the new weights (``"recompute"``) or
+        continues it (``"keep"``)."""
+        if self.kv_on_refit == "recompute" and self.chunks.current is not None:
+            chunked = self.chunks.clear()
+            for s in chunked:
+                s.cached_tokens = 0
+            self.stats["recomputed_requests"] += len(chunked)
+            self.waiting.extendleft(reversed(chunked))
         if not self.batch.n:
             if self.kv_on_refit == "recompute":
                 self.prefixes.clear()
