@@ -39,8 +39,9 @@ from hybridrl.rollout.weight_update import WeightUpdate, WeightUpdateError
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
-DEFAULT_CHUNKED_PREFILL = False
-"""a prompt longer than the prefill budget is prefilled whole, alone, unless ``engine.chunked_prefill``."""
+DEFAULT_CHUNKED_PREFILL = True
+"""a prompt longer than the step's prefill budget is prefilled in chunks of the budget, one per step between the
+running requests' decode steps (vLLM's scheduling); ``engine.chunked_prefill = False``: whole and alone, as before."""
 
 
 class RolloutEngine(WeightUpdateBracket):

@@ -258,13 +258,19 @@ def test_abort_returns_the_partial_output_and_frees_the_row(hf):
     engine.run_until_finished(["w1", "w2"])
 
 
-def test_the_prefill_budget_never_starves_decoding(hf):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_prefill_budget_never_starves_decoding(hf, chunked):
     rng = random.Random(_seeds.fresh_seed())
     engine = _engine(hf, max_batch_size=4, max_prefill_tokens=10)
+    engine.chunked_prefill = chunked
     p = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
-    engine.add_request("first", _prompt(rng, 20), p)  # longer than the budget: admitted alone
-    out = engine.step()
-    assert out.prefilled_tokens == 20
+    engine.add_request("first", _prompt(rng, 20), p)  # longer than the budget
+    if chunked:  # two chunks of the budget, one per step; the first token after the last
+        assert engine.step().prefilled_tokens == 10
+        out = engine.step()
+        assert out.prefilled_tokens == 10 and ("first" in out.progressed or out.finished)
+    else:  # the old rule: admitted alone, prefilled whole
+        assert engine.step().prefilled_tokens == 20
     for i in range(3):
         engine.add_request(f"q{i}", _prompt(rng, 6), p)
     for _ in range(3):
