@@ -56,11 +56,17 @@ def _alive(pid: int) -> bool:
 def test_sigkill_at_a_random_moment_then_resume_trains_every_prompt_once(tmp_path: Path) -> None:
     kill_after = random.Random(_seeds.fresh_seed()).uniform(2, 8)  # steps done, fractional: mid-step as often as between
     proc = subprocess.Popen(_cmd(tmp_path), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, workers = time.monotonic() + 300, []
-    while _steps_done(tmp_path / "run") < int(kill_after) and proc.poll() is None and time.monotonic() < deadline:
+    deadline, workers, seen = time.monotonic() + 300, [], {}  # seen: step -> when it was first logged
+    while (done := _steps_done(tmp_path / "run")) < int(kill_after) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        seen.setdefault(done, time.monotonic())
         workers = workers or _children(proc.pid)
         time.sleep(0.02)
-    time.sleep((kill_after % 1) * 0.3)
+    # the fractional part of a step, in this machine's own step time (a fixed sleep let a fast
+    # quiet machine finish all the remaining steps before the kill)
+    steps = sorted(k for k in seen if k >= 1)
+    step_s = (seen[steps[-1]] - seen[steps[0]]) / (steps[-1] - steps[0]) if len(steps) > 1 else 0.05
+    time.sleep((kill_after % 1) * step_s)
     workers = workers or _children(proc.pid)
     proc.kill()  # SIGKILL: no handler runs
     proc.wait()
