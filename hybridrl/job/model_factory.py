@@ -37,7 +37,7 @@ def builtin_model(tokenizer, spec: ModelConfig, *, seed: int = 0, max_position_e
                         "deepseek_v4": (deepseek_v4_config, DeepseekV4ForCausalLM)}[spec.arch]
     config = make_config(tokenizer, spec, max_position_embeddings)
     torch.manual_seed(seed)
-    model = cls(config).to(DTYPES[spec.dtype])
+    model = cast_as_loaded(cls(config), DTYPES[spec.dtype])
     if spec.arch == "deepseek_v4":
         _init_v4_tables(model, seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -140,8 +140,21 @@ def builtin_vl_model(tokenizer, spec: ModelConfig, *, seed: int = 0, max_positio
         qwen3_vl_config(tokenizer, spec, max_position_embeddings)
     cls = Qwen2_5_VLForConditionalGeneration if spec.arch == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
     torch.manual_seed(seed)
-    model = cls(config).to(DTYPES[spec.dtype])
+    model = cast_as_loaded(cls(config), DTYPES[spec.dtype])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def cast_as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)`` keeping the rotary ``inv_freq`` buffers in float32, as
+    ``from_pretrained(dtype=...)`` leaves them (a plain ``.to(bfloat16)`` rounds the
+    frequencies to 8 bits: every position's angle then differs from the checkpoint-loaded
+    model's and the engines' float32 tables, and exact mode could not match both)."""
+    keep = {name: buf for name, buf in model.named_buffers() if name.endswith("inv_freq")}
+    model.to(dtype)
+    for name, buf in keep.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(attr, buf, persistent=False)
     return model
 
 

@@ -58,6 +58,9 @@ class EngineSpec:
     lora: Any = None
     """an ``AdapterSpec`` (``layers/lora_adapter.py``): the LoRA adapters the engine applies
     over its base weights (``rollout.lora_mode=adapter``); None: plain weights."""
+    exact: bool = False
+    """batch-invariant numerics (``rollout.exact``): the built-in engine's log-probs are bitwise the
+    trainer's recomputation under ``hybridrl.exact`` (``rollout/exact_support.py`` says where it holds)."""
     compile_decode: bool = False
     """built-in engine: ``torch.compile`` its eager decode step (CPU, or CUDA with
     ``enforce_eager``); the vLLM backend refuses it (vLLM compiles by its own settings)."""

@@ -81,12 +81,20 @@ class RolloutEngine(WeightUpdateBracket):
         self.tensor_parallel = tensor_parallel
         # Count the static memory before allocating any (weights on the meta device, the cache
         # and row buffers from their shapes): too much is a one-line error, not the OOM killer.
+        if spec.exact:  # refuse what cannot hold before building anything; probe this machine's GEMMs
+            from hybridrl.exact.ops import check_batch_invariance
+            from hybridrl.rollout.exact_support import exact_refusal
+
+            why = exact_refusal(self.config, spec, tensor_parallel)
+            if why is not None:
+                raise ValueError(f"exact numerics: {why}; build the engine with exact=False")
+            check_batch_invariance(self.dtype, device=self.device)
         meta_model = build_model(self.config, spec.quantization, 2, self.dtype, torch.device("meta"), tensor_parallel)
         self.memory = EngineMemory.of(spec, self.config, meta_model, tensor_parallel=tensor_parallel,
                                       record_routing=record_routing)
         check_fits(self.memory, self.max_batch_size, self.max_seq_len, self.device)
         self.model = build_model(self.config, spec.quantization, self.max_seq_len, self.dtype, self.device,
-                                 tensor_parallel)
+                                 tensor_parallel, exact=spec.exact)
         # spec.compile_decode: torch.compile the eager decode step (CPU, or CUDA with enforce_eager).
         self.runner = ModelRunner(self.model, self.max_batch_size, self.max_seq_len, self.dtype, self.device,
                                   spec.compile_decode)
@@ -104,7 +112,8 @@ class RolloutEngine(WeightUpdateBracket):
         self.weight_routes = WeightRoutes(self.model)  # HF name -> slot, built once (load, refit, verify)
         self._update = WeightUpdate(self.model, self.weight_routes)
         self._weight_version = 0  # written only by _commit_weight_update (and load_state_dict)
-        self._use_graphs = self.device.type == "cuda" and not enforce_eager and self.config.v4 is None
+        self._use_graphs = (self.device.type == "cuda" and not enforce_eager and self.config.v4 is None
+                            and not spec.exact)
         self.scheduler = Scheduler(self.runner, self.config.vocab_size, lambda: self._weight_version,
                                    max_prefill_tokens=max_prefill_tokens,
                                    prefix_cache_bytes=prefix_cache_bytes, kv_on_refit=kv_on_refit,
@@ -220,7 +229,12 @@ class RolloutEngine(WeightUpdateBracket):
                                         "finish_weight_update() or abort_weight_update()")
             if self._weight_version == 0:
                 raise WeightUpdateError("step: the engine has no weights yet; load_weights() or refit first")
-            return self.scheduler.step()
+            if not self.spec.exact:
+                return self.scheduler.step()
+            # Exact layers call their batch-invariant kernels themselves: a caller's
+            # ``hybridrl.exact.batch_invariant()`` mode (the trainer's step) would only add Python per op.
+            with torch._C.DisableTorchFunction():
+                return self.scheduler.step()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request: its output so far (finish_reason "abort"), or
@@ -304,11 +318,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def build_model(config, quantization: str | None, max_seq_len: int, dtype: torch.dtype, device,
-                tensor_parallel: TensorParallel = SINGLE) -> torch.nn.Module:
+                tensor_parallel: TensorParallel = SINGLE, exact: bool = False) -> torch.nn.Module:
     """The engine's model for a parsed ``ModelConfig``: DeepSeek-V4's decoder or the shared one
     (``hybridrl plan`` builds the same on the meta device to count its weights), over the one
-    ``LayerContext`` every layer of it is built with (``layers/context.py``)."""
-    ctx = LayerContext.for_quantization(quantization, dtype=dtype, device=device, tp=tensor_parallel)
+    ``LayerContext`` every layer of it is built with (``layers/context.py``; ``exact``: batch-invariant layers)."""
+    ctx = LayerContext.for_quantization(quantization, dtype=dtype, device=device, tp=tensor_parallel, exact=exact)
     if config.v4 is not None:
         from hybridrl.rollout.models.deepseek_v4.model import DeepseekV4ForCausalLM
 

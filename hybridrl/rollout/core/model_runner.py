@@ -47,9 +47,12 @@ class ModelRunner:
         # package installed): cost ~ live length, also inside a graph. Else the masked path.
         self.flash_decode = (model.config.mla is None  # MLA decodes over its latent cache (models/deepseek_v3/mla.py)
                              and flash_decode.usable(device, dtype, model.config.head_dim))
+        # batch-invariant numerics (``LayerContext.exact``): attention is told each row's keys
+        # (``ForwardContext.seq_lens``), nothing is compiled, no mask is built
+        self.exact = bool(getattr(model, "exact", False))
         self._decode_step = self.decode_eager
-        self.compiled = compile_decode
-        if compile_decode:
+        self.compiled = compile_decode and not self.exact
+        if self.compiled:
             # dynamic=True: one compiled step for every batch size (compaction shrinks it) and
             # kv_len (grows every step). Opt-in and not a CPU speedup: measured on 2 cores
             # (tiny model, batch 64) it compiles for ~35 s and then decodes at 0.7x eager.
@@ -74,7 +77,7 @@ class ModelRunner:
         positions = self.slot_ids[:S].expand(B, S)
         cos, sin = self.model.model.rotary_emb.tables(positions if mm is None else mm.positions)
         ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, row_start=row_start,
-                             visual=mm.visual if mm is not None else None)
+                             visual=mm.visual if mm is not None else None, seq_lens=lengths if self.exact else None)
         hidden = self.model(input_ids, ctx)
         last = hidden[self.rows[:B], lengths - 1]  # (B, hidden)
         return self.model.compute_logits(last).float()
@@ -97,7 +100,8 @@ class ModelRunner:
         mask = (self.slot_ids[:T].view(1, 1, T) <= positions.view(B, C, 1)).view(B, 1, C, T)
         cos, sin = self.model.model.rotary_emb.tables(positions if mm is None else mm.positions)
         ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, attn_mask=mask,
-                             kv_len=T, row_start=row_start, extend=True, visual=mm.visual if mm is not None else None)
+                             kv_len=T, row_start=row_start, extend=True, visual=mm.visual if mm is not None else None,
+                             seq_lens=starts + lengths if self.exact else None)
         hidden = self.model(input_ids, ctx)
         last = hidden[self.rows[:B], lengths - 1]
         return self.model.compute_logits(last).float()
@@ -135,7 +139,10 @@ class ModelRunner:
         pos = positions.view(B, 1)
         cos, sin = self.model.model.rotary_emb.tables(pos if rope_deltas is None else pos + rope_deltas.view(B, 1))
         slot = kv_len - 1 if aligned else None
-        if self.flash_decode:
+        if self.exact:
+            ctx = ForwardContext(pos, cos, sin, kv_cache=self.kv_cache, is_prefill=False, rows=self.rows[:B],
+                                 kv_len=kv_len, slot=slot, seq_lens=positions.view(B) + 1)
+        elif self.flash_decode:
             # Row b attends slots [0, positions[b]] over whole cache rows, whatever kv_len is:
             # the same call eager and in a graph, and no mask.
             seqlens = (positions.view(B) + 1).to(torch.int32)
@@ -171,6 +178,8 @@ class ModelRunner:
             order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid tokens first, in order
             packed = self.model.logits(input_ids.gather(1, order), mask.gather(1, order))
             return torch.empty_like(packed).scatter_(1, order.unsqueeze(-1).expand_as(packed), packed)
+        if self.exact:
+            return self._logits_exact(input_ids, mask)
         right_padded = bool((mask.long().cumsum(-1) == torch.arange(1, S + 1, device=mask.device)).eq(mask).all())
         if right_padded:
             positions, attn_mask = self.slot_ids[:S].expand(B, S), None
@@ -186,6 +195,17 @@ class ModelRunner:
         cos, sin = self.model.model.rotary_emb.tables(rope_positions)
         ctx = ForwardContext(positions, cos, sin, kv_cache=None, attn_mask=attn_mask, visual=visual)
         return self.model.compute_logits(self.model(input_ids, ctx)).float()
+
+    def _logits_exact(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``logits`` under exact numerics: each row's tokens moved to slot 0 (the exact attention
+        counts key blocks from a sequence's first token), run, and put back in place."""
+        B, S = input_ids.shape
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid tokens first, in order
+        positions = self.slot_ids[:S].expand(B, S)
+        cos, sin = self.model.model.rotary_emb.tables(positions)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=None, seq_lens=mask.sum(1))
+        packed = self.model.compute_logits(self.model(input_ids.gather(1, order), ctx)).float()
+        return torch.empty_like(packed).scatter_(1, order.unsqueeze(-1).expand_as(packed), packed)
 
     def named_state_tensors(self):
         yield from self.kv_cache.named_tensors()

@@ -91,9 +91,11 @@ class RunningBatch:
         return max_seq_len * sum(torch.empty((), dtype=d).element_size() for d in SLOT_DTYPES)
 
     def __init__(self, max_rows: int, max_seq_len: int, vocab_size: int, device: torch.device,
-                 mrope: bool = False):
-        """``mrope``: a vision-language model's rows carry a rope offset (``rope_deltas``)."""
+                 mrope: bool = False, exact: bool = False):
+        """``mrope``: a vision-language model's rows carry a rope offset (``rope_deltas``);
+        ``exact``: log-probs in the trainer's batch-invariant numerics (``SamplingTensors.exact``)."""
         M, L, dev = max_rows, max_seq_len, device
+        self.exact = exact
         self.max_rows, self.max_seq_len, self.vocab_size, self.device = M, L, vocab_size, dev
         self.seqs: list[Sequence] = []
         self.tokens = torch.zeros(M, dtype=torch.long, device=dev)  # last sampled: the next decode input
@@ -216,7 +218,7 @@ class RunningBatch:
                     else self.uniforms[r0:r1].gather(1, counts.view(n, 1)))
         return SamplingTensors(temperature=self.temperature[r0:r1], top_k=self.top_k[r0:r1], top_p=self.top_p[r0:r1],
                                uniforms=uniforms, all_greedy=all_greedy, use_top_k_top_p=n_trunc > 0,
-                               any_greedy=n_greedy > 0, all_unit_temperature=n_unit == n)
+                               any_greedy=n_greedy > 0, all_unit_temperature=n_unit == n, exact=self.exact)
 
     # ---- leaving -------------------------------------------------------------------------
     def take_outputs(self, rows: list[int]) -> list[tuple[Sequence, list[int], list[float]]]:

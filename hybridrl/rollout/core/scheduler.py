@@ -76,7 +76,7 @@ class Scheduler:
         self.max_prefill_tokens, self.kv_on_refit = max_prefill_tokens, kv_on_refit
         self.vl = runner.vl  # vision-language: the model's image token ids and merge size (None: text only)
         self.batch = RunningBatch(runner.max_batch_size, runner.max_seq_len, vocab_size, runner.device,
-                                  mrope=self.vl is not None)
+                                  mrope=self.vl is not None, exact=runner.exact)
         self.waiting: deque[Sequence] = deque()
         self.live: dict[str, Sequence] = {}  # every waiting or running request by id
         self.prefixes = PrefixCache(prefix_cache_bytes)
@@ -234,8 +234,9 @@ class Scheduler:
                 fresh.append(s)
                 seen.add(key)
         logits = []
-        if chunk is not None and not (fresh or extend):
-            self._start_chunk(chunk, out, budget)
+        if not (fresh or extend):  # the head waits for budget (a chunk in progress took it) or starts chunking
+            if chunk is not None:
+                self._start_chunk(chunk, out, budget)
             return
         if fresh:
             logits.append(self._prefill_fresh(fresh, out))

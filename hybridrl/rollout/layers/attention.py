@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.exact.attention import sequence_attention
 from hybridrl.rollout.core.kv_cache import KVCache
 from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.linear import QKVLinear, RowParallelLinear
 from hybridrl.rollout.layers.norm import RMSNorm
-from hybridrl.rollout.layers.rotary import apply_rotary
+from hybridrl.rollout.layers.rotary import apply_rotary, apply_rotary_exact
 from hybridrl.rollout.model_config import ModelConfig
 
 
@@ -62,6 +63,9 @@ class ForwardContext:
     cache_seqlens: torch.Tensor | None = None
     """decode through flash-attn: int32 [B], row b attends cache slots [0, cache_seqlens[b])
     (positions + 1, computed on the device); attn_mask and kv_len are then unused."""
+    seq_lens: torch.Tensor | None = None
+    """exact numerics (``LayerContext.exact``): [B] long, row b's keys are its cache slots (or
+    new tokens) [0, seq_lens[b]); its first query sits at ``positions[b, 0]``."""
     visual: Any = None
     """vision-language prefill / extend / logits: the image features to place
     (``models/vision_language/inputs.py: VisualEmbeds``); None otherwise."""
@@ -82,25 +86,28 @@ class Attention(nn.Module):
                                   ctx.child("qkv_proj"), bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ctx.child("o_proj"),
                                         bias=cfg.o_bias, unit=cfg.head_dim, what="the attention heads")
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.exact = cfg.qk_norm, ctx.exact
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.dtype, ctx.device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.dtype, ctx.device, ctx.exact)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx.dtype, ctx.device, ctx.exact)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [B, S, hidden] -> [B, S, hidden]."""
         B, S, _ = x.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, S, H + 2 * KVH, D)
+        rotate = apply_rotary_exact if self.exact else apply_rotary
         if self.qk_norm:
-            q = apply_rotary(self.q_norm(qkv[:, :, :H]), ctx.cos, ctx.sin_signed)
-            k = apply_rotary(self.k_norm(qkv[:, :, H:H + KVH]), ctx.cos, ctx.sin_signed)
+            q = rotate(self.q_norm(qkv[:, :, :H]), ctx.cos, ctx.sin_signed)
+            k = rotate(self.k_norm(qkv[:, :, H:H + KVH]), ctx.cos, ctx.sin_signed)
         else:  # rotate q and k together: one set of rope ops per layer
-            qk = apply_rotary(qkv[:, :, :H + KVH], ctx.cos, ctx.sin_signed)
+            qk = rotate(qkv[:, :, :H + KVH], ctx.cos, ctx.sin_signed)
             q, k = qk[:, :, :H], qk[:, :, H:]
         v = qkv[:, :, H + KVH:]
         q = q.transpose(1, 2)  # (B, H, S, D)
-        if ctx.kv_cache is not None and not ctx.is_prefill:
+        if self.exact:
+            o = self._exact(q, k, v, ctx)
+        elif ctx.kv_cache is not None and not ctx.is_prefill:
             o = self._decode(q, k, v, ctx)
         elif ctx.extend:
             o = self._extend(q, k, v, ctx)
@@ -113,6 +120,31 @@ class Attention(nn.Module):
                 q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=ctx.attn_mask,
                 is_causal=ctx.attn_mask is None, enable_gqa=self.enable_gqa)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
+
+    def _exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Batch-invariant attention (``hybridrl.exact.attention``: the trainer's, block by block
+        from each sequence's first key) over the cache rows this forward writes, in every mode.
+        q [B, H, S, D]; k, v [B, S, KVH, D] -> o [B, H, S, D]."""
+        B, S = q.shape[0], q.shape[2]
+        if ctx.kv_cache is None:  # logits(): each row's keys are its own new tokens from slot 0
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            k_cache, v_cache = ctx.kv_cache.k[self.layer_idx], ctx.kv_cache.v[self.layer_idx]
+            r0, T = ctx.row_start, ctx.kv_len
+            if not ctx.is_prefill:
+                self._store_decode(k, v, k_cache, v_cache, ctx)
+                r0 = 0
+            elif ctx.extend:
+                rows = torch.arange(r0, r0 + B, device=q.device).view(B, 1)
+                k_cache[rows, :, ctx.positions] = k
+                v_cache[rows, :, ctx.positions] = v
+            else:
+                T = S
+                k_cache[r0:r0 + B, :, :S].copy_(k.transpose(1, 2))
+                v_cache[r0:r0 + B, :, :S].copy_(v.transpose(1, 2))
+            keys, values = k_cache[r0:r0 + B, :, :T], v_cache[r0:r0 + B, :, :T]
+        return sequence_attention(q, keys, values, scale=self.head_dim ** -0.5, q_offset=ctx.positions[:, 0],
+                                  k_len=ctx.seq_lens)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [B, H, C, D]; k, v [B, C, KVH, D] of the new tokens -> o [B, H, C, D]."""
@@ -135,13 +167,7 @@ class Attention(nn.Module):
         B, H, _, D = q.shape
         KVH = self.num_kv_heads
         k_cache, v_cache = ctx.kv_cache.k[self.layer_idx], ctx.kv_cache.v[self.layer_idx]
-        if ctx.slot is not None:
-            k_cache[:B, :, ctx.slot].copy_(k[:, 0])
-            v_cache[:B, :, ctx.slot].copy_(v[:, 0])
-        else:
-            slots = ctx.positions[:, 0]
-            k_cache[ctx.rows, :, slots] = k[:, 0]  # (B, KVH, D) into slot positions[b] of row b
-            v_cache[ctx.rows, :, slots] = v[:, 0]
+        self._store_decode(k, v, k_cache, v_cache, ctx)
         if ctx.cache_seqlens is not None:  # flash-attn: [B, T, KVH, D] views of the whole rows
             o = flash_decode.attend(q.transpose(1, 2), k_cache[:B].transpose(1, 2), v_cache[:B].transpose(1, 2),
                                     ctx.cache_seqlens)  # (B, 1, H, D)
@@ -153,6 +179,19 @@ class Attention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=ctx.attn_mask)
         return o.reshape(B, H, 1, D)
+
+    @staticmethod
+    def _store_decode(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      ctx: ForwardContext) -> None:
+        """Write a decode step's k, v [B, 1, KVH, D] at slot ``positions[b]`` of cache row b."""
+        B = k.shape[0]
+        if ctx.slot is not None:
+            k_cache[:B, :, ctx.slot].copy_(k[:, 0])
+            v_cache[:B, :, ctx.slot].copy_(v[:, 0])
+        else:
+            slots = ctx.positions[:, 0]
+            k_cache[ctx.rows, :, slots] = k[:, 0]  # (B, KVH, D) into slot positions[b] of row b
+            v_cache[ctx.rows, :, slots] = v[:, 0]
 
 
 # Decode on CPU, measured (B=64, T=40-160, head dims 32 and 64): torch's CPU flash kernel

@@ -40,11 +40,19 @@ class LayerContext:
     """this rank's place in its tensor-parallel group (``layers/tensor_parallel.py``)."""
     prefix: str = ""
     """the HF module name of the layer built with this context ("" at the model's root)."""
+    exact: bool = False
+    """batch-invariant numerics (``rollout.exact``): every layer computes what the trainer's
+    transformers module computes under ``hybridrl.exact``, op for op (``docs/exact.md``)."""
 
     @classmethod
     def for_quantization(cls, quantization: str | None, *, dtype: torch.dtype, device: torch.device,
-                         tp: TensorParallel = SINGLE) -> "LayerContext":
-        """The root context of a model quantized by ``quantization`` (None, "fp8", "fp8+mxfp4", ...)."""
+                         tp: TensorParallel = SINGLE, exact: bool = False) -> "LayerContext":
+        """The root context of a model quantized by ``quantization`` (None, "fp8", "fp8+mxfp4", ...);
+        ``exact``: batch-invariant numerics (full-precision weights only: the engine refuses the rest)."""
+        if exact:
+            from hybridrl.rollout.layers.exact_linear import ExactLinearMethod
+
+            return cls(linear_method=ExactLinearMethod(), dtype=dtype, device=device, tp=tp, exact=True)
         return cls(linear_method=get_linear_method(quantization), moe_method=get_moe_method(quantization),
                    dtype=dtype, device=device, tp=tp)
 
@@ -55,4 +63,6 @@ class LayerContext:
     def unquantized(self) -> "LayerContext":
         """This context with plain engine-dtype linears: MoE routers and the layers that checkpoints
         ship unquantized (routing is where small errors flip choices)."""
+        if self.exact:  # already plain weights, multiplied batch-invariantly
+            return self
         return dataclasses.replace(self, linear_method=UnquantizedLinearMethod())

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.exact.ops import padded_linear
 from hybridrl.rollout.layers import cpu_linear
 from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.tensor_parallel import TensorParallel, TPSlice, vocab_share
@@ -79,7 +80,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, ctx: LayerContext, tied_to: VocabEmbedding | None = None):
         super().__init__()
         tp = ctx.tp
-        self.tied, self.tp, self.vocab_size = tied_to is not None, tp, vocab_size
+        self.tied, self.tp, self.vocab_size, self.exact = tied_to is not None, tp, vocab_size, ctx.exact
         if self.tied:
             self.weight = tied_to.weight
         else:
@@ -91,7 +92,8 @@ class LMHead(nn.Module):
                 _vocab_rows(self.weight, vocab_size, hidden_size, tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = cpu_linear.linear(hidden, self.weight)
+        # exact: the trainer's lm_head GEMM, row-tiled (hybridrl.exact); it scores with it the same way
+        logits = padded_linear(hidden, self.weight) if self.exact else cpu_linear.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[..., :self.vocab_size]

@@ -6,17 +6,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.exact.ops import pieced_unary
+
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps) over the last dim; computed in float32 like HF."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, exact: bool = False):
+        """``exact``: transformers' formula op for op, ``rsqrt`` on the SIMD path (``hybridrl.exact``)."""
         super().__init__()
-        self.eps = eps
+        self.eps, self.exact = eps, exact
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = copy_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:  # Qwen2RMSNorm / LlamaRMSNorm.forward, as the trainer runs it under the exact mode
+            h = x.to(torch.float32)
+            h = h * pieced_unary(torch.rsqrt, h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * h.to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # HF: normalize in float32, cast back, then scale by the weight in the model dtype.

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridrl.exact.ops import pieced_unary
+
 
 def inv_freq_for(rope: dict[str, Any], head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] float32 for rope types default / linear / llama3.
@@ -50,16 +52,20 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, rope: dict[str, Any], head_dim: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, exact: bool = False):
+        """``exact``: cos / sin on the SIMD path for every position (``hybridrl.exact``), the
+        values the trainer's rotary module computes under the exact mode; then
+        :func:`apply_rotary_exact`."""
         super().__init__()
         self.half = head_dim // 2
         inv_freq = inv_freq_for(rope, head_dim)
         positions = torch.arange(max_seq_len, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (T, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-        sin = emb.sin()
+        sin = pieced_unary(torch.sin, emb) if exact else emb.sin()
+        cos = pieced_unary(torch.cos, emb) if exact else emb.cos()
         sin_signed = torch.cat([-sin[:, : self.half], sin[:, self.half:]], dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin_signed", sin_signed.to(dtype=dtype, device=device), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +76,13 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [B, S, H, D]; cos/sin_signed [B, S, 1, D] -> rotated x, same shape and dtype."""
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def apply_rotary_exact(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """transformers' ``q * cos + rotate_half(q) * sin`` with its roundings: two products and a
+    sum, each rounded to the dtype (``addcmul`` may fuse them). ``roll(x) * sin_signed`` is
+    ``rotate_half(x) * sin`` bit for bit: only signs move."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -124,7 +137,8 @@ def mrope_axes(section: list[int], interleaved: bool, half: int) -> torch.Tensor
 
 
 def rotary_for(rope: dict[str, Any], head_dim: int, max_seq_len: int, dtype: torch.dtype,
-               device: torch.device) -> RotaryEmbedding:
+               device: torch.device, exact: bool = False) -> RotaryEmbedding:
     """The rope of a config: mRoPE when it has an ``mrope_section``, else the plain one."""
-    cls = MRotaryEmbedding if "mrope_section" in rope else RotaryEmbedding
-    return cls(rope, head_dim, max_seq_len, dtype, device)
+    if "mrope_section" in rope:
+        return MRotaryEmbedding(rope, head_dim, max_seq_len, dtype, device)
+    return RotaryEmbedding(rope, head_dim, max_seq_len, dtype, device, exact)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridrl.exact.ops import exact_log_softmax
+
 
 @dataclass
 class SamplingTensors:
@@ -33,14 +35,25 @@ class SamplingTensors:
     any_greedy: bool = True
     all_unit_temperature: bool = False
     """every row samples at temperature 1: logits / T is skipped (dividing by 1 is exact)."""
+    exact: bool = False
+    """batch-invariant log-probs (``rollout.exact``): the trainer's ``z / T`` then its fixed-order
+    log-softmax (``hybridrl.exact.ops``), whatever the batch."""
 
     def select(self, rows: torch.Tensor) -> "SamplingTensors":
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.uniforms[rows],
-                               self.all_greedy, self.use_top_k_top_p, self.any_greedy, self.all_unit_temperature)
+                               self.all_greedy, self.use_top_k_top_p, self.any_greedy, self.all_unit_temperature,
+                               self.exact)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (tokens [B] long, logprobs [B] float32)."""
+    if st.exact:  # as the trainer scores: z / T in float32 (T = 1 for greedy; x / 1 is x), then z - lse(z)
+        logp = exact_log_softmax(logits if st.all_unit_temperature or st.all_greedy
+                                 else logits / torch.where(st.temperature == 0, 1.0, st.temperature))
+        if st.all_greedy:
+            tokens = logits.argmax(dim=-1)
+            return tokens, _gather(logp, tokens)
+        return draw(logits, logp, st, step)
     if st.all_greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, _gather(torch.log_softmax(logits, dim=-1), tokens)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.exact.ops import pieced_unary
 from hybridrl.rollout.layers.attention import Attention, ForwardContext
 from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.embedding import LMHead, VocabEmbedding
@@ -38,10 +39,12 @@ class MLP(nn.Module):
                                                bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(width, cfg.hidden_size, ctx.child("down_proj"), bias=cfg.mlp_bias,
                                            what="the MLP intermediate size", reduce=reduce)
+        self.exact = ctx.exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = pieced_unary(F.silu, gate) if self.exact else F.silu(gate)  # exact: every element on the SIMD path
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -60,8 +63,8 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(cfg, cfg.moe_layers.index(idx), ctx.child("mlp"), shared_expert=shared)
         else:
             self.mlp = MLP(cfg, ctx.child("mlp"))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device, ctx.exact)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device, ctx.exact)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (mlp output, residual stream before it); the next layer adds them."""
@@ -79,10 +82,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.child("embed_tokens"))
         rotary = (MlaRotary(cfg, max_seq_len, ctx.dtype, ctx.device) if cfg.mla is not None
-                  else rotary_for(cfg.rope, cfg.head_dim, max_seq_len, ctx.dtype, ctx.device))
+                  else rotary_for(cfg.rope, cfg.head_dim, max_seq_len, ctx.dtype, ctx.device, ctx.exact))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ctx.child(f"layers.{i}"), rotary)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device, ctx.exact)
         self.rotary_emb = rotary
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -115,7 +118,7 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, ctx: LayerContext):
         super().__init__()
-        self.config, self.tp = cfg, ctx.tp
+        self.config, self.tp, self.exact = cfg, ctx.tp, ctx.exact
         self.model = DecoderModel(cfg, max_seq_len, ctx.child("model"))
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.child("lm_head"), tied_to=tied)

@@ -1,0 +1,31 @@
+"""Where the built-in engine runs batch-invariant (``EngineSpec.exact``, ``rollout.exact``).
+
+Its exact layers compute, op for op, what the trainer's transformers modules compute under
+``hybridrl.exact`` (``layers/exact_linear.py``, the exact paths of the norms, the rotary
+tables, the attention and the sampler). That is written for the dense decoders (Llama,
+Qwen2, Qwen3: GQA attention, biases, q/k norms, tied or untied heads) in full precision on
+one rank. Everything else is refused here in one line; ``pipeline/engines.py`` then samples
+with the trainer's own modules instead (``hybridrl/exact/engine.py``), which holds for the
+families listed there.
+"""
+
+from __future__ import annotations
+
+from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
+
+
+def exact_refusal(config, spec, tensor_parallel: TensorParallel = SINGLE) -> str | None:
+    """Why the built-in engine cannot run ``config`` (a parsed ``ModelConfig``) under ``spec``
+    batch-invariantly, or None when it can."""
+    family = (("DeepSeek-V4", config.v4 is not None), ("vision-language", config.vl is not None),
+              ("multi-head latent attention", config.mla is not None), ("MoE", bool(config.moe_layers)))
+    for name, hit in family:
+        if hit:
+            return f"{name} layers have no batch-invariant kernels in the built-in engine yet"
+    if spec.quantization is not None:
+        return f"quantized rollout weights ({spec.quantization}) are not the trainer's weights"
+    if spec.lora is not None:
+        return "LoRA adapters are applied unlike peft's forward"
+    if tensor_parallel.size > 1:
+        return "tensor-parallel ranks split the reductions the trainer runs whole"
+    return None
