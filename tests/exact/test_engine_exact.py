@@ -1,0 +1,156 @@
+"""The built-in engine under exact numerics (``EngineSpec.exact``): its log-probs are bitwise
+the trainer's recomputation for the dense decoder families, whatever the engine did to the
+request: continuous batching with other neighbours, chunked prefill, a continuation from a
+retained prefix, mixed temperatures. Configs are drawn fresh per run over the fields that
+change the computation (family: Qwen2 with q/k/v biases, Llama without, Qwen3 with q/k norms
+and its own head_dim; widths, heads, kv heads, tying, rope base and llama3 scaling, eps).
+"""
+
+from __future__ import annotations
+
+import random
+
+import _seeds
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from _engine_round_trip import assert_bitwise, draw_requests, exact_engine, round_trip, trainer_logprobs
+from hybridrl.exact.ops import exact_log_softmax
+from hybridrl.job.model_factory import cast_as_loaded
+from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+from hybridrl.rollout.rollouts import rollouts_from_outputs
+
+FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+
+def draw_dense(seed: int, dtype: torch.dtype, family: str | None = None):
+    """A random-init dense decoder of a family drawn from ``seed`` (``family`` pins it); (model, description)."""
+    rng = random.Random(seed)
+    family = family or rng.choice(sorted(FAMILIES))
+    heads = rng.choice([2, 4])
+    kv = rng.choice([h for h in (1, 2, 4) if heads % h == 0])
+    head_dim = rng.choice([8, 16])
+    fields = dict(vocab_size=rng.randint(96, 160), hidden_size=rng.choice([32, 48, 64]), num_hidden_layers=2,
+                  num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=rng.choice([48, 96, 128]),
+                  tie_word_embeddings=rng.random() < 0.5, rms_norm_eps=rng.choice([1e-6, 1e-5]),
+                  max_position_embeddings=256, rope_theta=rng.choice([1e4, 1e6]))
+    if family in ("llama", "qwen3"):
+        fields["head_dim"] = head_dim
+    else:
+        fields["hidden_size"] = heads * head_dim
+    if family == "llama":
+        fields["attention_bias"] = fields["mlp_bias"] = rng.random() < 0.3
+        if rng.random() < 0.5:
+            fields["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = cast_as_loaded(model_cls(config_cls(**fields)), dtype).eval()
+    return model, f"{family} {dtype} seed={seed} {fields}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_families_are_bitwise_on_policy(dtype):
+    """64 requests through 24 rows: rows join and finish at every step (continuous batching)."""
+    seed = _seeds.fresh_seed()
+    model, what = draw_dense(seed, dtype)
+    round_trip(model, seed, temperature=0.7, top_p=0.9, what=what)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_with_chunked_prefill(family):
+    """Prompts up to 7x the prefill budget: prefilled in chunks between other rows' decode steps."""
+    seed = _seeds.fresh_seed()
+    model, what = draw_dense(seed, torch.float32, family)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prompts, params = draw_requests(rng, 24, vocab, prompt_len=(4, 56), max_tokens=(3, 16))
+    engine = exact_engine(model, max_batch_size=8, max_seq_len=80, max_prefill_tokens=8)
+    assert engine.chunked_prefill
+    assert_bitwise(model, engine.generate(prompts, params), 1.0, what)
+
+
+def test_a_request_alone_equals_it_among_others():
+    seed = _seeds.fresh_seed()
+    model, what = draw_dense(seed, torch.bfloat16)
+    prompts, params = draw_requests(random.Random(seed), 40, model.config.vocab_size, temperature=0.8)
+    engine = exact_engine(model, max_batch_size=16)
+    batched = engine.generate(prompts, params)
+    for i in (0, 17, 39):
+        alone = engine.generate([prompts[i]], [params[i]])
+        n = int(alone.response_mask.sum())
+        row = batched.response_mask[i].bool()
+        assert batched.input_ids[i][row].tolist() == alone.input_ids[0][alone.response_mask[0].bool()].tolist(), what
+        assert torch.equal(batched.logprobs[i][row], alone.logprobs[0][alone.response_mask[0].bool()]), what
+        assert n == int(row.sum())
+
+
+def test_continuation_from_a_retained_prefix_is_bitwise():
+    """Turn 2 extends turn 1's cached KV (no re-prefill): its log-probs == the trainer scoring
+    the whole conversation."""
+    seed = _seeds.fresh_seed()
+    model, what = draw_dense(seed, torch.float32)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    engine = exact_engine(model, max_batch_size=8, max_seq_len=96)
+    firsts, outs = [], []
+    for i in range(6):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 20))]
+        engine.add_request(f"t1-{i}", prompt, SamplingParams(max_tokens=rng.randint(2, 10), seed=i), retain=True)
+        firsts.append(f"t1-{i}")
+    turn1 = engine.run_until_finished(firsts)
+    seconds = []
+    for i, rid in enumerate(firsts):
+        o = turn1[rid]
+        follow = o.prompt_token_ids + o.token_ids + [rng.randrange(1, vocab) for _ in range(rng.randint(1, 12))]
+        engine.add_request(f"t2-{i}", follow, SamplingParams(max_tokens=rng.randint(3, 12), seed=100 + i),
+                           parent=rid)
+        seconds.append(f"t2-{i}")
+    turn2 = engine.run_until_finished(seconds)
+    assert all(turn2[r].cached_tokens > 0 for r in seconds), "the continuations did not reuse the prefix"
+    assert_bitwise(model, rollouts_from_outputs([turn2[r] for r in seconds]), 1.0, what, min_tokens=18)
+
+
+def test_mixed_temperatures_and_greedy_rows_in_one_batch():
+    seed = _seeds.fresh_seed()
+    model, what = draw_dense(seed, torch.float32)
+    rng = random.Random(seed)
+    prompts, _ = draw_requests(rng, 30, model.config.vocab_size)
+    temps = [(0.0, 0.6, 1.0)[i % 3] for i in range(30)]
+    params = [SamplingParams(temperature=t, max_tokens=rng.randint(3, 16), seed=i) for i, t in enumerate(temps)]
+    ro = exact_engine(model, max_batch_size=12).generate(prompts, params)
+    for t in (0.0, 0.6, 1.0):
+        rows = torch.tensor([i for i in range(30) if temps[i] == t])
+        old = trainer_logprobs(model, ro, 1.0 if t == 0 else t)[rows]  # greedy rows are scored at 1
+        mask = ro.response_mask[rows].bool()
+        assert torch.equal(old[mask], ro.logprobs[rows][mask]), f"temperature {t}: {what}"
+
+
+def test_full_sequence_logits_match_the_rollout_bits():
+    """``engine.logits`` (the doctor's and eval's scoring path; rows left-padded here) gives the
+    sampled tokens the rollout's log-probs."""
+    seed = _seeds.fresh_seed()
+    model, what = draw_dense(seed, torch.float32)
+    prompts, params = draw_requests(random.Random(seed), 12, model.config.vocab_size)
+    engine = exact_engine(model)
+    ro = engine.generate(prompts, params)
+    ids, mask = ro.input_ids, ro.attention_mask
+    shift = (~mask.bool()).sum(1)  # right-aligned copy: left padding
+    left = torch.stack([torch.roll(r, int(s)) for r, s in zip(ids, shift)])
+    left_mask = torch.stack([torch.roll(r, int(s)) for r, s in zip(mask, shift)])
+    with torch._C.DisableTorchFunction():
+        logp = exact_log_softmax(engine.logits(left, left_mask))
+    got = logp[:, :-1].gather(-1, left[:, 1:, None]).squeeze(-1)
+    resp = torch.stack([torch.roll(r, int(s)) for r, s in zip(ro.response_mask, shift)])[:, 1:].bool()
+    want = torch.stack([torch.roll(r, int(s)) for r, s in zip(ro.logprobs, shift)])[:, 1:]
+    assert torch.equal(got[resp], want[resp]), what
+
+
+@pytest.mark.parametrize("spec,why", [(dict(quantization="fp8"), "quantized rollout weights")])
+def test_what_cannot_hold_is_refused_in_one_line(spec, why):
+    model, _ = draw_dense(1, torch.float32, "qwen2")
+    with pytest.raises(ValueError, match=f"exact numerics: {why}") as e:
+        RolloutEngine(model.config, EngineSpec(max_batch_size=2, max_seq_len=16, exact=True, **spec))
+    assert "\n" not in str(e.value)
