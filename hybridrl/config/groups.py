@@ -166,7 +166,7 @@ class RolloutConfig:
                                       "heads, MLP and expert widths, vocabulary split); the world's ranks form "
                                       "world / T generation groups, each serving its ranks' prompts",
                                    check=Range(low=1))
-    exact: bool = _f(False, "sample with the trainer's own modules under batch-invariant numerics: the rollout "
+    exact: bool = _f(False, "batch-invariant numerics in the built-in engine and the trainer: the rollout "
                             "log-probs are bitwise the trainer's, the old-log-prob pass is skipped (docs/exact.md)")
     exact_recompute: bool = _f(False, "with rollout.exact: run the old-log-prob pass anyway and fail the step if "
                                       "it differs from the rollout's by one bit (a check, not needed)")
@@ -189,9 +189,9 @@ class RolloutConfig:
                               "rollout.backend=vllm use null or fp8")
         if self.kv_on_refit not in ("recompute", "keep"):
             raise ConfigError(f"rollout.kv_on_refit={self.kv_on_refit!r}: use recompute (exact) or keep")
-        if self.kv_cache_mb and (self.backend == "vllm" or self.exact):
+        if self.kv_cache_mb and self.backend == "vllm":
             raise ConfigError(f"rollout.kv_cache_mb={self.kv_cache_mb} sizes the built-in engine's static KV cache; "
-                              f"with rollout.{'backend=vllm' if self.backend == 'vllm' else 'exact'} leave it at 0")
+                              "with rollout.backend=vllm leave it at 0")
         if self.lora_mode not in ("adapter", "merged"):
             raise ConfigError(f"rollout.lora_mode={self.lora_mode!r}: use adapter or merged")
         if self.free_cache_engine and self.backend != "vllm":

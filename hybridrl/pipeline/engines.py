@@ -32,8 +32,8 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
     if r.kv_cache_mb:
         rows = min(rows, _budget_rows(cfg, hf_config, max_seq_len, tensor_parallel))
     spec = EngineSpec(max_batch_size=rows, max_seq_len=max_seq_len, dtype=cfg.model.torch_dtype, device=device,
-                      quantization=r.quantization, lora=adapter_spec(lora, r.lora_mode))
-    if r.exact:
+                      quantization=r.quantization, lora=adapter_spec(lora, r.lora_mode), exact=r.exact)
+    if r.exact and _exact_fallback(cfg, hf_config, spec, tensor_parallel) is not None:
         from hybridrl.exact.engine import ExactEngine
 
         if policy is None:
@@ -55,6 +55,29 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
                              prefix_cache_bytes=r.prefix_cache_mb << 20, tensor_parallel=tensor_parallel)
     except EngineMemoryError as e:  # the same refusal, in the config's keys
         raise ValueError(_memory_message(cfg, e, longest_prompt)) from None
+
+
+def _exact_fallback(cfg: Config, hf_config, spec, tensor_parallel) -> str | None:
+    """Why ``rollout.exact`` cannot run on the built-in engine's exact layers for this model
+    (``rollout/exact_support.py``), so that the policy's own modules sample instead
+    (``hybridrl/exact/engine.py``); None when the built-in engine serves it. The fallback has
+    limits of its own (one process, ``generate()`` only): a run that needs more is refused
+    here in one line naming both reasons."""
+    from hybridrl.config.base import ConfigError
+    from hybridrl.rollout.exact_support import exact_refusal
+    from hybridrl.rollout.model_config import parse_hf_config
+
+    why = exact_refusal(parse_hf_config(hf_config), spec, tensor_parallel)
+    if why is None:
+        return None
+    needs = {f"launcher ranks={cfg.launcher.ranks}": cfg.launcher.ranks > 1,
+             f"env.name={cfg.env.name}": cfg.env.name is not None}
+    for key, bad in needs.items():
+        if bad:
+            raise ConfigError(f"rollout.exact with {key} and this model: the built-in engine has no exact kernels "
+                              f"for it ({why}), and sampling with the trainer's modules runs one process through "
+                              "generate() only; set rollout.exact=false or drop that setting")
+    return why
 
 
 def _seq_key(cfg: Config, longest_prompt: int) -> tuple[str, int, int]:
@@ -196,9 +219,9 @@ def episode_limits(cfg: Config):
 
 def check_engine_choice(cfg: Config) -> None:
     """What the chosen engine cannot serve, one line each with the reason: the vLLM backend's
-    limits (``vllm_backend/limits.py``), and ``rollout.exact``'s engine's (it
-    samples with the trainer's own unsharded modules, in the trainer's thread, on static
-    batches through ``generate``). Checked before anything is built."""
+    limits (``vllm_backend/limits.py``), and ``rollout.exact``'s (what no exact engine
+    serves; the model-dependent limits are checked when the engine is built:
+    ``_exact_fallback``). Checked before anything is built."""
     from hybridrl.config.base import ConfigError
     from hybridrl.vllm_backend.limits import check_vllm_run
 
@@ -212,12 +235,8 @@ def check_engine_choice(cfg: Config) -> None:
                                                                               "are another policy"),
         f"rollout.tensor_parallel_size={r.tensor_parallel_size}": (r.tensor_parallel_size > 1,
                                                                   "split reductions are not the trainer's"),
-        f"launcher ranks={cfg.launcher.ranks}": (cfg.launcher.ranks > 1, "the exact engine runs the trainer's "
-                                                                         "unsharded modules, one process"),
         f"model.arch={cfg.model.arch}": (cfg.model.arch == "deepseek_v4", "its compressed attention runs padded only, "
                                                                         "not through the exact attention"),
-        "env.name": (cfg.env.name is not None, "the exact engine samples static batches through generate(); agent "
-                                               "episodes need the request API"),
     }
     for key, (bad, why) in unsupported.items():
         if bad:
@@ -234,8 +253,8 @@ def check_vision_language(cfg: Config, hf_config) -> None:
     from hybridrl.config.base import ConfigError
 
     unsupported = {
-        "rollout.exact": (cfg.rollout.exact, "the exact engine samples through generate() without image inputs; "
-                                             "its successor, the batch-invariant built-in engine, is #46"),
+        "rollout.exact": (cfg.rollout.exact, "the built-in engine's exact layers do not cover the vision tower and "
+                                             "mRoPE yet"),
         "algo.advantage.estimator=gae": (cfg.algo.advantage.estimator == "gae",
                                          "the critic is a text value model; use a critic-free estimator (grpo, "
                                          "rloo, reinforce_plus_plus, ...)"),

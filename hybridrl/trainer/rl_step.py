@@ -46,6 +46,7 @@ class BatchShape:
     epochs: int  # passes over the batch
     max_response_tokens: int  # rollout.max_tokens (DAPO overlong shaping)
     pad_id: int = 0  # the token id that pads rows
+    exact: bool = False  # rollout.exact: the engine's log-probs are the trainer's bits (no recompute pass)
     exact_recompute: bool = False  # rollout.exact_recompute: recompute anyway, require equal bits
     mismatch_report_every: int = 0  # trainer.mismatch_report_every: log the gap every k steps
 
@@ -54,7 +55,7 @@ class BatchShape:
         b, r = cfg.batch, cfg.rollout
         return cls(prompts_per_step=b.prompts_per_step, samples_per_prompt=r.n, mini_batch_size=b.mini_batch_size,
                    epochs=b.ppo_epochs, max_response_tokens=r.max_tokens, pad_id=pad_id,
-                   exact_recompute=r.exact_recompute, mismatch_report_every=cfg.trainer.mismatch_report_every)
+                   exact=r.exact, exact_recompute=r.exact_recompute, mismatch_report_every=cfg.trainer.mismatch_report_every)
 
     @property
     def responses(self) -> int:
@@ -73,9 +74,10 @@ class RLStep:
         self.reference: Reference | None = None
         self.kl_ctrl: algos.FixedKLController | algos.AdaptiveKLController | None = None
         self.dp = dp  # data parallel: this rank's share of every batch
-        # rollout.exact: the engine samples with the policy's own modules under batch-invariant
-        # numerics (hybridrl/exact), so its log-probs *are* the old log-probs: no recompute pass
-        self.exact = bool(getattr(source.local.engine, "shares_trainer_weights", False))
+        # rollout.exact: the engine samples under the trainer's batch-invariant numerics (the
+        # built-in engine's exact layers, or the policy's own modules: hybridrl/exact), so its
+        # log-probs *are* the old log-probs: no recompute pass
+        self.exact = shape.exact
         self._steps_done = 0
 
     @property

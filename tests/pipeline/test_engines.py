@@ -46,7 +46,6 @@ def test_kv_cache_mb_smaller_than_one_row_is_one_line():
 @pytest.mark.parametrize("overrides, says", [
     (["rollout.kv_cache_mb=-1"], "rollout.kv_cache_mb=-1"),
     (["rollout.kv_cache_mb=64", "rollout.backend=vllm"], "with rollout.backend=vllm leave it at 0"),
-    (["rollout.kv_cache_mb=64", "rollout.exact=true"], "with rollout.exact leave it at 0"),
 ])
 def test_kv_cache_mb_is_validated(overrides, says):
     with pytest.raises(ValueError, match=says):
