@@ -280,18 +280,19 @@ def test_a_long_prompt_behind_a_spent_budget_starts_its_chunks_next_step():
     assert len(engine.run_until_finished(["long"])["long"].token_ids) == 2, seed
 
 
-def test_a_short_request_waits_behind_a_chunk_that_spent_the_budget():
-    """A chunk in progress takes the whole step's budget; the short request queued behind it
-    waits for the next step's (it once crashed the admission with nothing to prefill)."""
+def test_a_short_request_waits_when_a_chunk_left_too_little_budget():
+    """The long prompt's last chunk (1 token) leaves ``budget - 1``, less than the short
+    request queued behind it: that one waits for the next step (the admission once crashed
+    here, with nothing to prefill)."""
     seed = _seeds.fresh_seed()
     rng = random.Random(seed)
     _, make, vocab = _model("dense", rng)
     budget = rng.randint(8, 12)
     engine = make(budget)
-    engine.add_request("long", [rng.randrange(vocab) for _ in range(3 * budget)], SamplingParams(max_tokens=3))
-    engine.add_request("short", [rng.randrange(vocab) for _ in range(budget // 2 + 1)], SamplingParams(max_tokens=3))
-    fed = [engine.step().prefilled_tokens for _ in range(3)]
-    assert fed == [budget] * 3, (seed, fed)  # the long prompt's three chunks; the short one waited
+    engine.add_request("long", [rng.randrange(vocab) for _ in range(2 * budget + 1)], SamplingParams(max_tokens=3))
+    engine.add_request("short", [rng.randrange(vocab) for _ in range(budget)], SamplingParams(max_tokens=3))
+    fed = [engine.step().prefilled_tokens for _ in range(4)]
+    assert fed == [budget, budget, 1, budget], (seed, fed)  # three chunks, then the short prompt whole
     out = engine.run_until_finished(["long", "short"])
     assert [len(out[r].token_ids) for r in ("long", "short")] == [3, 3], seed
 
