@@ -316,15 +316,20 @@ def _exact_gap(cfg: Config, step, prompts, params, job_seconds: float) -> str | 
     except ValueError as e:
         return f"rollout.exact is not available here: {e}"
     from hybridrl.exact import batch_invariant
-    from hybridrl.exact.engine import ExactEngine
+    from hybridrl.pipeline.engines import build_engine
+    from hybridrl.refit import refit_from_model
     from hybridrl.trainer.logprobs import logprobs_in_microbatches
 
-    model, engine = step.actor.model, step.rollout.engine
-    exact = ExactEngine(model, max_batch_size=getattr(engine, "max_batch_size", 64),
-                        max_seq_len=getattr(engine, "max_seq_len", 256),
-                        pad_token_id=getattr(engine, "pad_token_id", 0))
-    exact.begin_weight_update()
-    exact.finish_weight_update()
+    model = step.actor.model
+    # the engine rollout.exact=true would build (the built-in engine's exact layers, or the
+    # trainer's-modules fallback), holding the policy's weights
+    exact = build_engine(probe, model.config, device=next(model.parameters()).device, ranks=1,
+                         longest_prompt=max(map(len, prompts)), policy=model)
+    if getattr(exact, "shares_trainer_weights", False):
+        exact.begin_weight_update()
+        exact.finish_weight_update()
+    else:
+        refit_from_model(exact, model)
     exact.generate(prompts[:1], params[:1])  # warm-up, as the job engine's
     t0 = time.perf_counter()
     ro = exact.generate(prompts, params)
