@@ -81,7 +81,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int, ctx: LayerContext):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.child("embed_tokens"))
-        rotary = (MlaRotary(cfg, max_seq_len, ctx.dtype, ctx.device) if cfg.mla is not None
+        rotary = (MlaRotary(cfg, max_seq_len, ctx.dtype, ctx.device, ctx.exact) if cfg.mla is not None
                   else rotary_for(cfg.rope, cfg.head_dim, max_seq_len, ctx.dtype, ctx.device, ctx.exact))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ctx.child(f"layers.{i}"), rotary)
                                     for i in range(cfg.num_layers))

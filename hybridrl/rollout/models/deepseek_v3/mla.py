@@ -30,6 +30,10 @@ weight update after every layer is back in inference layout (their ``ready`` ref
 otherwise), and checked by the refit verifier against a fresh recomputation. A captured
 CUDA graph reads them at fixed addresses.
 
+**Exact numerics** (``ctx.exact``, ``rollout.exact``): ``mla_exact.py`` computes what
+transformers' ``DeepseekV3Attention`` computes under ``hybridrl.exact``, op for op; it
+always decompresses (the trainer never absorbs), from the same latent cache.
+
 ``decode_mode = "decompress"`` expands the attended cache rows through ``kv_b_proj`` every
 step instead (the benchmark's comparison; same math). ``prefill_mode`` chooses the same for
 prefill / extend (default "decompress", below).
@@ -52,12 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.exact.ops import pieced_unary
 from hybridrl.rollout.derived import DerivedCache
 from hybridrl.rollout.layers.attention import CPU_MATMUL_DECODE_MIN_BATCH, ForwardContext
 from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from hybridrl.rollout.layers.norm import RMSNorm
 from hybridrl.rollout.model_config import ModelConfig
+from hybridrl.rollout.models.deepseek_v3.mla_exact import attend_exact
 
 DECODE_MODES = ("absorb", "decompress")
 
@@ -69,9 +75,12 @@ class MlaRotary(nn.Module):
     ``(x0, x1), (x2, x3), ...``; else ``[max_seq_len, rope]`` for the rotate-half layout.
     Both already multiplied by YaRN's ``attention_factor`` like transformers' tables.
     ``tables(positions)`` -> (cos, sin) ``[B, S, 1, width]`` (plain sin, not sign-folded).
+    ``exact``: cos / sin on the SIMD path for every position (``hybridrl.exact``), the values
+    transformers' ``DeepseekV3RotaryEmbedding`` computes under the exact mode.
     """
 
-    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device,
+                 exact: bool = False):
         super().__init__()
         mla = cfg.mla
         self.interleave = mla.rope_interleave
@@ -79,8 +88,12 @@ class MlaRotary(nn.Module):
         freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, rope/2)
         emb = freqs if self.interleave else torch.cat([freqs, freqs], dim=-1)
         scale = mla.rope_attention_factor
-        self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
+        # transformers: cos(cat(freqs, freqs)) * attention_scaling in float32, then cast; the
+        # interleaved form reads the first half, i.e. these values
+        cos = pieced_unary(torch.cos, emb) if exact else emb.cos()
+        sin = pieced_unary(torch.sin, emb) if exact else emb.sin()
+        self.register_buffer("cos", (cos * scale).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", (sin * scale).to(dtype=dtype, device=device), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
@@ -106,7 +119,7 @@ class MlaAttention(nn.Module):
         self.layer_idx, self.num_heads = layer_idx, ctx.tp.split(cfg.num_heads, "the attention heads")[1]
         self.nope, self.rope, self.v_dim, self.rank = (mla.qk_nope_head_dim, mla.qk_rope_head_dim,
                                                        mla.v_head_dim, mla.kv_lora_rank)
-        self.scale = mla.softmax_scale
+        self.scale, self.exact = mla.softmax_scale, ctx.exact
         self.rotary = [rotary]  # shared with the model; a list so it is not registered twice
         H, qk = cfg.num_heads, mla.qk_head_dim
         heads = "the attention heads"  # what the column- and row-parallel projections split
@@ -115,11 +128,11 @@ class MlaAttention(nn.Module):
         else:
             self.q_a_proj = ReplicatedLinear(cfg.hidden_size, mla.q_lora_rank, ctx.child("q_a_proj"),
                                              bias=cfg.qkv_bias)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6, dtype, device)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6, dtype, device, ctx.exact)
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, H * qk, ctx.child("q_b_proj"), unit=qk, what=heads)
         self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.rank + self.rope,
                                                    ctx.child("kv_a_proj_with_mqa"), bias=cfg.qkv_bias)
-        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype, device, ctx.exact)
         self.kv_b_proj = ColumnParallelLinear(self.rank, H * (self.nope + self.v_dim), ctx.child("kv_b_proj"),
                                               unit=self.nope + self.v_dim, what=heads)
         self.kv_b_proj.adapter_capable = False  # read through the absorbed caches, not as a matmul
@@ -159,6 +172,9 @@ class MlaAttention(nn.Module):
         B, S, _ = x.shape
         q_nope, q_pe = self._query(x, ctx)
         latent = self._latent(x, ctx)
+        if self.exact:  # the trainer's ops, decompressing the cached latent (mla_exact.py)
+            o = attend_exact(self, q_nope, q_pe, latent, ctx)
+            return self.o_proj(o.reshape(B, S, self.num_heads * self.v_dim))
         cache = ctx.kv_cache.latent[self.layer_idx, :, 0] if ctx.kv_cache is not None else None  # (rows, T, r+rope)
         if cache is not None and not ctx.is_prefill:
             o = self._decode(q_nope, q_pe, latent, cache, ctx)
