@@ -17,8 +17,7 @@ from hybridrl.rollout.layers.tensor_parallel import SINGLE, TensorParallel
 def exact_refusal(config, spec, tensor_parallel: TensorParallel = SINGLE) -> str | None:
     """Why the built-in engine cannot run ``config`` (a parsed ``ModelConfig``) under ``spec``
     batch-invariantly, or None when it can."""
-    family = (("DeepSeek-V4", config.v4 is not None), ("vision-language", config.vl is not None),
-              ("MoE", bool(config.moe_layers)))
+    family = (("DeepSeek-V4", config.v4 is not None), ("vision-language", config.vl is not None))
     for name, hit in family:
         if hit:
             return f"{name} layers have no batch-invariant kernels in the built-in engine yet"

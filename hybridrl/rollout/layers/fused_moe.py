@@ -8,7 +8,8 @@ Storage (inference layout, what ``torch._grouped_mm`` reads):
 These are exactly transformers >= 5's fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``
 parameters, so the module's parameter names *are* the trainer's names. A *fused-MoE method*
 owns the storage (as a linear method owns a linear's; ``fused_moe_method.py``): unquantized,
-or MXFP4 (``mxfp4_moe.py``). The matmuls are ``moe_dispatch.py``'s.
+or MXFP4 (``mxfp4_moe.py``). The matmuls are ``moe_dispatch.py``'s: grouped, or under exact
+numerics (``LayerContext.exact``) transformers' eager per-expert loop (``exact_experts``).
 
 Routes (``FusedExperts.hf_weight_routes``): the fused names are the *expected* names; the
 per-expert names of safetensors checkpoints on disk (``experts.{e}.gate_proj.weight``,
@@ -33,7 +34,7 @@ from torch import nn
 
 from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.fused_moe_method import PROJS
-from hybridrl.rollout.layers.moe_dispatch import fused_experts
+from hybridrl.rollout.layers.moe_dispatch import exact_experts, fused_experts
 from hybridrl.rollout.layers.tensor_parallel import TPSlice, take_local
 
 
@@ -50,6 +51,7 @@ class FusedExperts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, local
         self.swiglu_limit = swiglu_limit
         self.dtype, self.prefix, self.method = ctx.dtype, ctx.prefix, ctx.moe_method
+        self.exact = ctx.exact  # transformers' eager per-expert loop, batch-invariant (``exact_experts``)
         self.method.create_weights(self, ctx.dtype, ctx.device)
 
     # geometry
@@ -99,6 +101,9 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.method.compute_weights(self)
+        if self.exact:
+            assert self.swiglu_limit is None, f"{self.prefix}: the exact experts have no clamped SwiGLU"
+            return exact_experts(x, w13, w2, topk_ids, topk_weights)
         return fused_experts(x, w13, w2, topk_ids, topk_weights, limit=self.swiglu_limit)
 
     def hf_weight_routes(self, module_name: str) -> Iterator["ExpertRoute"]:

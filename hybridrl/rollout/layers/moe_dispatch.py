@@ -13,6 +13,9 @@ expert over its row group; syncs the group sizes to the host — eager only), ``
 the FLOPs, but capture-safe with any dtype). ``"auto"``: grouped, except that on CUDA outside
 the bf16 sm90/sm100 fast path torch's grouped GEMM falls back to a host-synced loop, so
 *during a CUDA-graph capture* that case takes ``"dense"``.
+
+Exact numerics (``rollout.exact``): :func:`exact_experts`, transformers' eager loop over the
+hit experts with row-tiled GEMMs (what the trainer computes under ``hybridrl.exact``).
 """
 from __future__ import annotations
 
@@ -108,4 +111,49 @@ def _dense(x, w13, w2, topk_ids, topk_weights, limit=None) -> torch.Tensor:
     for e in range(E):
         g, u = F.linear(x, w13[e]).chunk(2, dim=-1)
         out += combine[:, e:e + 1] * F.linear(swiglu(g, u, limit), w2[e])
+    return out
+
+
+def exact_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> torch.Tensor:
+    """The experts under exact numerics (``LayerContext.exact``): transformers 5.19's "eager"
+    experts forward (``Qwen3MoeExperts`` / ``Qwen2MoeExperts`` / ``DeepseekV3Experts``) as
+    ``hybridrl.exact.batch_invariant()`` runs it, so a token's output carries the trainer's bits.
+
+    x ``[T, H]``; w13 ``[E, 2I, H]`` (gate rows then up rows: transformers' fused
+    ``gate_up_proj``, multiplied whole as it does; one GEMM per shard would have another N,
+    and the BLAS picks its kernel by the whole shape); w2 ``[E, H, I]``; topk_ids ``[T, k]``
+    int64 (a token's k ids distinct); topk_weights ``[T, k]`` (x's dtype for Qwen, float32
+    for DeepSeek-V3: the weighted product is then float32, cast back as transformers does).
+    Returns ``[T, H]`` in x's dtype.
+
+    Per hit expert in ascending id (transformers' loop): its (slot, token) pairs in
+    transformers' order, ``down(silu(gate) * up)`` by row-tiled GEMMs, times the weight.
+    transformers then ``index_add_``s each expert's rows onto zeros, so a token's output is
+    ``((0 + c_e1) + c_e2) + ...`` over its experts in ascending id, one rounding per add. The
+    same adds run here vectorized (the k contributions sorted by expert id, summed onto
+    zeros in that order): CPU ``index_add_`` enters a parallel region even for a few rows,
+    which cost ~60 ms per call on an oversubscribed 2-core host, E times per layer and step.
+    """
+    from hybridrl.exact.ops import padded_linear, pieced_unary
+
+    E = w13.shape[0]
+    T, k = topk_ids.shape
+    y = x.new_zeros(T * k, x.shape[1])  # the contribution of (token t, slot j) at row t * k + j
+    with torch.no_grad():
+        mask = F.one_hot(topk_ids, num_classes=E + 1).permute(2, 1, 0)  # (E + 1, k, T)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()  # ascending; host sync (eager)
+    for e in hit:
+        if e == E:
+            continue
+        pos, tok = torch.where(mask[e])  # (slot, token) pairs ordered slot-major, as transformers'
+        gate, up = padded_linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = padded_linear(pieced_unary(F.silu, gate) * up, w2[e])
+        h = h * topk_weights[tok, pos, None]
+        y.index_copy_(0, tok * k + pos, h.to(y.dtype))
+    by_expert = topk_ids.argsort(dim=-1)  # (T, k): each token's slots in ascending expert id
+    y = y.view(T, k, -1).gather(1, by_expert.unsqueeze(-1).expand(T, k, y.shape[-1]))
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out = out + y[:, j]
     return out

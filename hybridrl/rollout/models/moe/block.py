@@ -24,6 +24,15 @@ Tensor parallel: the router is whole on every rank (every rank routes every toke
 way), the experts and shared experts hold a share of their width (``layers/fused_moe.py``)
 and the block sums their partial outputs with one all-reduce.
 
+Exact numerics (``LayerContext.exact``, ``rollout.exact``): the block computes what
+transformers 5.19's ``Qwen2MoeSparseMoeBlock`` / ``Qwen3MoeSparseMoeBlock`` / ``DeepseekV3MoE``
+compute under ``hybridrl.exact.batch_invariant()`` with the eager experts (what
+``exact_attention_for`` switches them to), op for op: the router GEMM row-tiled, the Qwen
+softmax as ``exact_softmax`` and DeepSeek's sigmoid SIMD-pieced (:func:`select_experts_exact`,
+:func:`select_experts_grouped_exact`: the latter's final top-k unsorted, its weights left
+float32, as transformers'), the experts as its per-expert loop (``exact_experts``), the
+shared expert gate's sigmoid pieced. The record below keeps working (the same ids).
+
 Routing record (``hybridrl/rollout/routing.py``): :class:`RoutingTap`, the block's side of it.
 """
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.exact.ops import exact_softmax, padded_linear, pieced_unary
 from hybridrl.rollout.layers.attention import ForwardContext
 from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.layers.fused_moe import FusedExperts
@@ -76,13 +86,47 @@ def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, top_
     return ids, weights * scaling
 
 
+def select_experts_exact(router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_experts` as ``Qwen3MoeTopKRouter`` computes it under ``batch_invariant()``:
+    ``F.softmax(logits, dtype=float)`` is the cast then ``exact_softmax`` (fixed-order sum,
+    SIMD-path exp); router_logits ``[T, E]`` -> (ids ``[T, k]`` int64, weights ``[T, k]`` in the logits dtype)."""
+    probs = exact_softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(router_logits.dtype)
+
+
+def select_experts_grouped_exact(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                                 topk_group: int, renormalize: bool,
+                                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_experts_grouped` as ``DeepseekV3TopkRouter`` computes it under
+    ``batch_invariant()``: the sigmoid SIMD-pieced and the final top-k **unsorted** (its order
+    is the order the k weights are summed in when renormalized, so it sets their bits).
+    float32 ``router_logits [T, E]`` -> (ids ``[T, k]`` int64, weights ``[T, k]`` float32)."""
+    T, E = router_logits.shape
+    scores = pieced_unary(torch.sigmoid, router_logits)
+    choice = scores + bias
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # (T, G)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+    ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
 class GroupedTopkRouter(nn.Module):
     """DeepSeek-V3's ``mlp.gate``: ``weight [E, H]`` (engine dtype) and
     ``e_score_correction_bias [E]`` (float32, as transformers keeps it), plain parameters
     loaded by copy. The logits are computed in float32 like transformers'."""
 
-    def __init__(self, num_experts: int, hidden_size: int, dtype, device):
+    def __init__(self, num_experts: int, hidden_size: int, dtype, device, exact: bool = False):
         super().__init__()
+        self.exact = exact
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
@@ -91,6 +135,8 @@ class GroupedTopkRouter(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] -> router logits [T, E] float32."""
+        if self.exact:  # transformers' F.linear under batch_invariant(): row-tiled
+            return padded_linear(h.float(), self.weight.float())
         return F.linear(h.float(), self.weight.float())
 
 
@@ -135,9 +181,9 @@ class SparseMoeBlock(RoutingTap, nn.Module):
         H, E = cfg.hidden_size, cfg.num_experts
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self._init_routing_tap(moe_index)  # position among the model's MoE layers (the record's layer axis)
-        self.grouped = cfg.router
+        self.grouped, self.exact = cfg.router, ctx.exact
         if self.grouped is not None:
-            self.gate = GroupedTopkRouter(E, H, ctx.dtype, ctx.device)
+            self.gate = GroupedTopkRouter(E, H, ctx.dtype, ctx.device, ctx.exact)
         else:
             self.gate = ReplicatedLinear(H, E, ctx.child("gate").unquantized())
         self.experts = FusedExperts(E, H, cfg.moe_intermediate_size, ctx.child("experts"))
@@ -157,16 +203,21 @@ class SparseMoeBlock(RoutingTap, nn.Module):
             self.tap_routing(topk_ids, decoding=not ctx.is_prefill)
         out = self.experts(h, topk_ids, topk_weights)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+            gate = self.shared_expert_gate(h)
+            gate = pieced_unary(torch.sigmoid, gate) if self.exact else torch.sigmoid(gate)
+            out = out + gate * self.shared_expert(h)
         elif self.shared_experts is not None:
             out = out + self.shared_experts(h)
         return self.tp.all_reduce_(out).view(shape)  # the experts' and shared experts' partial sums
 
     def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in h's dtype)."""
+        """h [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in h's dtype; exact DeepSeek:
+        float32, as transformers' router returns them and its experts multiply by them)."""
         if self.grouped is None:
-            return select_experts(self.gate(h), self.top_k, self.renormalize)
+            pick = select_experts_exact if self.exact else select_experts
+            return pick(self.gate(h), self.top_k, self.renormalize)
         g = self.grouped
-        ids, weights = select_experts_grouped(self.gate(h), self.gate.e_score_correction_bias, self.top_k,
-                                              g.n_group, g.topk_group, self.renormalize, g.routed_scaling_factor)
-        return ids, weights.to(h.dtype)
+        pick = select_experts_grouped_exact if self.exact else select_experts_grouped
+        ids, weights = pick(self.gate(h), self.gate.e_score_correction_bias, self.top_k,
+                            g.n_group, g.topk_group, self.renormalize, g.routed_scaling_factor)
+        return ids, weights if self.exact else weights.to(h.dtype)
