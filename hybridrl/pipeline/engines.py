@@ -235,6 +235,9 @@ def check_engine_choice(cfg: Config) -> None:
                                                                               "are another policy"),
         f"rollout.tensor_parallel_size={r.tensor_parallel_size}": (r.tensor_parallel_size > 1,
                                                                   "split reductions are not the trainer's"),
+        "rollout.lora_mode=merged": (cfg.model.lora.enabled and r.lora_mode == "merged",
+                                     "the merged W + scale * B @ A is not what peft's forward multiplies; use "
+                                     "rollout.lora_mode=adapter"),
         f"model.arch={cfg.model.arch}": (cfg.model.arch == "deepseek_v4", "its compressed attention runs padded only, "
                                                                         "not through the exact attention"),
     }

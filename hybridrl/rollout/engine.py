@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from hybridrl.data.vision import ImageInputs, RowImages
+from hybridrl.rollout.layers.lora_adapter import adapter_dtype
 from hybridrl.rollout.backend import EngineSpec, WeightUpdateBracket, expand_requests, next_weight_version
 from hybridrl.rollout.derived import DerivedCache, named_derived_caches
 from hybridrl.rollout.layers.context import LayerContext
@@ -76,6 +77,7 @@ class RolloutEngine(WeightUpdateBracket):
         self.config = parse_hf_config(hf_config)
         self.spec = spec
         self.dtype, self.device = spec.dtype, resolve_device(spec.device)
+        self.adapter_dtype = adapter_dtype(self.dtype, spec.exact)  # LoRA adapters: what a refit sends them in
         self.max_batch_size, self.max_seq_len = spec.max_batch_size, spec.max_seq_len
         self.pad_token_id = getattr(hf_config, "pad_token_id", None) or 0
         self.tensor_parallel = tensor_parallel

@@ -3,10 +3,11 @@
 Its exact layers compute, op for op, what the trainer's transformers modules compute under
 ``hybridrl.exact`` (``layers/exact_linear.py``, the exact paths of the norms, the rotary
 tables, the attention and the sampler). That is written for the dense decoders (Llama,
-Qwen2, Qwen3: GQA attention, biases, q/k norms, tied or untied heads) in full precision on
-one rank. Everything else is refused here in one line; ``pipeline/engines.py`` then samples
-with the trainer's own modules instead (``hybridrl/exact/engine.py``), which holds for the
-families listed there.
+Qwen2, Qwen3: GQA attention, biases, q/k norms, tied or untied heads), their MoE variants
+(Qwen2-MoE, Qwen3-MoE, DeepSeekMoE), DeepSeek-V3's latent attention and LoRA adapters (peft's
+forward), in full precision, one engine per data-parallel rank. Everything else is refused
+here in one line; ``pipeline/engines.py`` then samples with the trainer's own modules instead
+(``hybridrl/exact/engine.py``), which holds for the families listed there.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ def exact_refusal(config, spec, tensor_parallel: TensorParallel = SINGLE) -> str
             return f"{name} layers have no batch-invariant kernels in the built-in engine yet"
     if spec.quantization is not None:
         return f"quantized rollout weights ({spec.quantization}) are not the trainer's weights"
-    if spec.lora is not None:
-        return "LoRA adapters are applied unlike peft's forward"
     if tensor_parallel.size > 1:
         return "tensor-parallel ranks split the reductions the trainer runs whole"
     return None

@@ -95,8 +95,9 @@ class LoRASync:
 
     def push(self, model, version: int) -> RefitStats:
         lora = self.spec.lora
+        dtype = getattr(self.engine, "adapter_dtype", getattr(self.engine, "dtype", None))  # what it holds them in
         named, partial = lora.refit_payload(self.spec.lora_mode, self.held_base,  # whole tensors (FSDP2: gathered)
-                                            dtype=getattr(self.engine, "dtype", None))
+                                            dtype=dtype)
         stats = refit_from_model(self.engine, named, bucket_bytes=self.spec.bucket_bytes, verify=self.spec.verify,
                                  partial=partial, version=version)
         self.held_base = lora.base_version

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridrl.exact.ops import padded_linear
+from hybridrl.rollout.layers.exact_linear import ExactLinearMethod
 from hybridrl.rollout.layers.tensor_parallel import TPSlice
 
 
@@ -43,8 +45,11 @@ class LoRAAdapter(nn.Module):
     def __init__(self, layer, shards: dict, rank: int, scale: float):
         """In the layer's dtype: the engine's activation dtype (also over FP8 base weights)."""
         super().__init__()
-        dtype, device = layer.dtype, layer.weight.device
         self.rank, self.scale = rank, scale
+        # exact numerics (the layer multiplies batch-invariantly): peft's forward, op for op,
+        # over the float32 adapters peft keeps (also over a bf16 base: ``autocast_adapter_dtype``)
+        self.exact = isinstance(layer.method, ExactLinearMethod)
+        dtype, device = adapter_dtype(layer.dtype, self.exact), layer.weight.device
         self.shard_ids = list(shards)
         self.hf_modules = dict(shards)
         self.rows = [layer.shard_slice(s) for s in self.shard_ids]
@@ -69,8 +74,14 @@ class LoRAAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base output ``[..., out]``) plus the adapters' terms, in place."""
-        z = x.to(self.lora_A.dtype) @ self.lora_A.t()  # [..., S·r]
         r = self.rank
+        if self.exact:  # peft's ``result + lora_B(lora_A(x)) * scaling`` per HF module, each GEMM row-tiled
+            x = x.to(self.lora_A.dtype)  # peft's _cast_input_dtype
+            for j, rows in enumerate(self.rows):
+                update = padded_linear(padded_linear(x, self.lora_A[j * r:(j + 1) * r]), self.lora_B[rows])
+                y[..., rows] = (y[..., rows] + update * self.scale).to(y.dtype)  # promoted, then peft's cast back
+            return y
+        z = x.to(self.lora_A.dtype) @ self.lora_A.t()  # [..., S·r]
         for j, rows in enumerate(self.rows):
             update = (z[..., j * r:(j + 1) * r] @ self.lora_B[rows].t()) * self.scale
             y[..., rows] += update.to(y.dtype)
@@ -87,6 +98,12 @@ class LoRAAdapter(nn.Module):
             yield WeightRoute(f"{X}.lora_B.weight", f"{module_name}.lora_B", s,
                               torch.Size([self._hf_out[s], self.rank]), self.lora_B, self._b_rows[s], None,
                               self._tp_b[s])
+
+
+def adapter_dtype(engine_dtype: torch.dtype, exact: bool) -> torch.dtype:
+    """The dtype an engine holds its adapters in: its own, or under exact numerics float32,
+    the dtype peft trains them in (a refit must then send them uncast)."""
+    return torch.float32 if exact else engine_dtype
 
 
 def attach_adapters(model: nn.Module, routes, spec: AdapterSpec) -> None:
