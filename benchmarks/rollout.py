@@ -249,12 +249,8 @@ EXACT_BASELINE = "our built-in engine, default path (continuous batching, fused 
 
 def bench_exact(dtype: torch.dtype, quick: bool) -> list[dict]:
     """Issues #28 / #46: what ``rollout.exact`` costs in rollout speed — the built-in engine
-    with its exact layers (and, on the RL job, the fallback that samples with the trainer's
-    modules under the function mode, static batches) vs the default built-in engine, same
-    prompts, seeds and lengths, interleaved. Below 1 is the price; the old-log-prob pass it
-    saves is not counted here."""
-    from hybridrl.exact.engine import ExactEngine
-
+    with its exact layers vs its default path, same prompts, seeds and lengths, interleaved.
+    Below 1 is the price; the old-log-prob pass it saves is not counted here."""
     hf, prompts, params = rl_job(dtype)
     cases = [(RL_CASE, hf, prompts, params, len(prompts) * params.n, "rollouts/s")]
     small = dense_model("small", dtype)
@@ -271,21 +267,13 @@ def bench_exact(dtype: torch.dtype, quick: bool) -> list[dict]:
                                                                  dtype=dtype, exact=on)) for on in (False, True))
         for engine in (default, exact):
             engine.load_weights(model.named_parameters())
-        engines = {"rollout.exact": exact}
-        if case == RL_CASE:  # the trainer's-modules path, still the fallback for the families the layers lack
-            fallback = ExactEngine(model, max_batch_size=max_batch, max_seq_len=max_seq)
-            fallback.begin_weight_update()
-            fallback.finish_weight_update()
-            engines["rollout.exact fallback (trainer's modules)"] = fallback
-        for name, engine in engines.items():
-            with torch.inference_mode():
-                ours, base = interleaved_times([lambda: engine.generate(ps, sparams),
-                                                lambda: default.generate(ps, sparams)], 2 if quick else 5)
-            produced = count
-            if metric == "tokens/s":  # the tokens each engine actually produced (stop tokens end rows early)
-                produced = sum(map(len, engine.generate(ps, sparams).response_token_ids))
-            rows.append(row(case=f"{name}: {case}", metric=metric, ours=produced / min(ours),
-                            baseline=produced / min(base), baseline_name=EXACT_BASELINE, higher_is_better=True))
+        with torch.inference_mode():
+            ours, base = interleaved_times([lambda: exact.generate(ps, sparams), lambda: default.generate(ps, sparams)],
+                                           2 if quick else 5)
+        if metric == "tokens/s":  # the tokens each engine actually produced (stop tokens end rows early)
+            count = sum(map(len, exact.generate(ps, sparams).response_token_ids))
+        rows.append(row(case=f"rollout.exact: {case}", metric=metric, ours=count / min(ours),
+                        baseline=count / min(base), baseline_name=EXACT_BASELINE, higher_is_better=True))
     return rows
 
 

@@ -321,15 +321,11 @@ def _exact_gap(cfg: Config, step, prompts, params, job_seconds: float) -> str | 
     from hybridrl.trainer.logprobs import logprobs_in_microbatches
 
     model = step.actor.model
-    # the engine rollout.exact=true would build (the built-in engine's exact layers, or the
-    # trainer's-modules fallback), holding the policy's weights
+    # the engine rollout.exact=true would build (the built-in engine's exact layers), holding
+    # the policy's weights
     exact = build_engine(probe, model.config, device=next(model.parameters()).device, ranks=1,
-                         longest_prompt=max(map(len, prompts)), policy=model)
-    if getattr(exact, "shares_trainer_weights", False):
-        exact.begin_weight_update()
-        exact.finish_weight_update()
-    else:
-        refit_from_model(exact, model)
+                         longest_prompt=max(map(len, prompts)))
+    refit_from_model(exact, model)
     exact.generate(prompts[:1], params[:1])  # warm-up, as the job engine's
     t0 = time.perf_counter()
     ro = exact.generate(prompts, params)

@@ -3,8 +3,8 @@ trainer and the rollout, so the engine's log-probs are bitwise the trainer's.
 
 - ``ops.py``: the batch-invariant torch function mode (row-padded GEMMs, SIMD-path
   transcendentals, pieced vocabulary reductions) and its probe;
-- ``attention.py``: block-ordered causal attention, registered with transformers;
-- ``engine.py``: ``ExactEngine``, sampling with the trainer's own modules.
+- ``attention.py``: block-ordered causal attention, registered with transformers for the
+  trainer and called by the built-in engine's exact layers (``EngineSpec.exact``).
 """
 
 from hybridrl.exact.ops import BatchInvarianceError, batch_invariant, check_batch_invariance

@@ -12,11 +12,10 @@ trainer row that runs past the decode step's last block adds ``+0`` and keeps th
 The math runs in float32 (bf16 q/k/v are upcast, the output cast back): the same on both
 sides, so exact in either dtype.
 
-Registered with transformers as :data:`EXACT_ATTN` (``AttentionInterface``), it serves:
-
-- the trainer's packed forward (one row, ``cu_seq_lens_q`` kwargs: each sequence alone);
-- the exact engine's left-padded batches (``exact_key_starts [B]`` kwarg: row b's
-  sequence starts at key slot ``start_b``; its queries are the last ``Lq`` slots).
+Registered with transformers as :data:`EXACT_ATTN` (``AttentionInterface``), it serves the
+trainer's packed forward (one row, ``cu_seq_lens_q`` kwargs: each sequence alone); the
+built-in engine calls :func:`sequence_attention` over each row's cache slots
+(``rollout/layers/attention.py``, ``models/deepseek_v3/mla_exact.py``).
 """
 
 from __future__ import annotations
@@ -87,7 +86,6 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     """AttentionInterface: q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]`` -> ``([B, Lq, H, Dv], None)``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cu = kwargs.get("cu_seq_lens_q")
-    starts = kwargs.get("exact_key_starts")
     if cu is not None and query.shape[0] == 1:  # the trainer's packed row: each sequence alone
         outs = []
         bounds = cu.tolist()
@@ -97,19 +95,8 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
                                    q_offset=zero, k_len=zero + (b - a))
             outs.append(o)
         return torch.cat(outs, dim=2).transpose(1, 2), None
-    if starts is None:
-        raise ValueError(f"{EXACT_ATTN} attention needs cu_seq_lens_q (a packed row) or exact_key_starts "
-                         "(left-padded rows); call it through the trainer's forward or the exact engine")
-    B, _, Lq, _ = query.shape
-    Lk = key.shape[2]
-    starts = starts.to(query.device).long()
-    # left-align each row's keys at its sequence start (slot start_b -> 0)
-    idx = (torch.arange(Lk, device=query.device).view(1, Lk) + starts.view(B, 1)).clamp(max=Lk - 1)
-    k_al = key.gather(2, idx.view(B, 1, Lk, 1).expand(-1, key.shape[1], -1, key.shape[-1]))
-    v_al = value.gather(2, idx.view(B, 1, Lk, 1).expand(-1, value.shape[1], -1, value.shape[-1]))
-    k_len = Lk - starts
-    out = sequence_attention(query, k_al, v_al, scale=scale, q_offset=k_len - Lq, k_len=k_len)
-    return out.transpose(1, 2), None
+    raise ValueError(f"{EXACT_ATTN} attention needs cu_seq_lens_q (one packed row of sequences); call it through "
+                     "the trainer's packed forward (hybridrl/attention/hf_varlen.py)")
 
 
 def register() -> None:

@@ -240,7 +240,7 @@ def _step(cfg: Config, parts: _Parts, runner, train_set: PromptSet, longest_prom
         model = lora.model
     ranks = dp.world_size if dp is not None else 1
     engine = build_engine(cfg, model.config, device=device, ranks=ranks, longest_prompt=longest_prompt,
-                          tensor_parallel=mesh.tp if mesh is not None else None, lora=lora, policy=model)
+                          tensor_parallel=mesh.tp if mesh is not None else None, lora=lora)
     distiller = _distiller(cfg, tokenizer, engine, device)
     actor = Actor.from_config(model, cfg, distiller=distiller)
     rollout = RolloutWorker.from_config(engine, cfg.rollout, cfg.refit,

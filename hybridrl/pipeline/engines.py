@@ -15,13 +15,13 @@ if TYPE_CHECKING:
 
 
 def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, longest_prompt: int,
-                 tensor_parallel=None, lora=None, policy=None):
+                 tensor_parallel=None, lora=None):
     """The run's rollout engine (``rollout.backend``), sized for this rank's share of a
     step's responses (a tensor-parallel group's: its ranks' shares) and the longest prompt
     plus ``rollout.max_tokens``. ``tensor_parallel``: this rank's place in its group.
     ``lora``: the policy's ``LoRAPolicy``; with ``rollout.lora_mode=adapter`` the engine is
-    built to apply its adapters (merged mode needs nothing of the engine). ``policy``: the
-    trainer's module, which ``rollout.exact`` samples with (``hybridrl/exact/engine.py``)."""
+    built to apply its adapters (merged mode needs nothing of the engine). ``rollout.exact``:
+    the built-in engine with its batch-invariant layers (``rollout/exact_support.py``)."""
     from hybridrl.rollout import EngineSpec
     from hybridrl.rollout.layers.tensor_parallel import SINGLE
 
@@ -33,13 +33,8 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
         rows = min(rows, _budget_rows(cfg, hf_config, max_seq_len, tensor_parallel))
     spec = EngineSpec(max_batch_size=rows, max_seq_len=max_seq_len, dtype=cfg.model.torch_dtype, device=device,
                       quantization=r.quantization, lora=adapter_spec(lora, r.lora_mode), exact=r.exact)
-    if r.exact and _exact_fallback(cfg, hf_config, spec, tensor_parallel) is not None:
-        from hybridrl.exact.engine import ExactEngine
-
-        if policy is None:
-            raise ValueError("rollout.exact samples with the trainer's own modules: pass policy= to build_engine")
-        return ExactEngine(policy, max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
-                           pad_token_id=getattr(hf_config, "pad_token_id", None) or 0)
+    if r.exact:
+        _check_exact_model(hf_config, spec, tensor_parallel)
     if r.backend == "vllm":
         from hybridrl.vllm_backend import VllmEngine
 
@@ -57,27 +52,17 @@ def build_engine(cfg: Config, hf_config, *, device: torch.device, ranks: int, lo
         raise ValueError(_memory_message(cfg, e, longest_prompt)) from None
 
 
-def _exact_fallback(cfg: Config, hf_config, spec, tensor_parallel) -> str | None:
-    """Why ``rollout.exact`` cannot run on the built-in engine's exact layers for this model
-    (``rollout/exact_support.py``), so that the policy's own modules sample instead
-    (``hybridrl/exact/engine.py``); None when the built-in engine serves it. The fallback has
-    limits of its own (one process, ``generate()`` only): a run that needs more is refused
-    here in one line naming both reasons."""
+def _check_exact_model(hf_config, spec, tensor_parallel) -> None:
+    """``rollout.exact`` for this model (known once its config is read: a checkpoint's may be
+    any family): a one-line ConfigError where the built-in engine has no exact form of it."""
     from hybridrl.config.base import ConfigError
     from hybridrl.rollout.exact_support import exact_refusal
     from hybridrl.rollout.model_config import parse_hf_config
 
     why = exact_refusal(parse_hf_config(hf_config), spec, tensor_parallel)
-    if why is None:
-        return None
-    needs = {f"launcher ranks={cfg.launcher.ranks}": cfg.launcher.ranks > 1,
-             f"env.name={cfg.env.name}": cfg.env.name is not None}
-    for key, bad in needs.items():
-        if bad:
-            raise ConfigError(f"rollout.exact with {key} and this model: the built-in engine has no exact kernels "
-                              f"for it ({why}), and sampling with the trainer's modules runs one process through "
-                              "generate() only; set rollout.exact=false or drop that setting")
-    return why
+    if why is not None:
+        raise ConfigError(f"rollout.exact with a {hf_config.model_type} model: not supported ({why}); "
+                          "set rollout.exact=false")
 
 
 def _seq_key(cfg: Config, longest_prompt: int) -> tuple[str, int, int]:

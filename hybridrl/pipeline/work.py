@@ -11,8 +11,7 @@ engine that the producer steps, and the finished samples that come out.
 (continuous batching) — or, when nothing can decode because every live episode waits for
 its environment, a short wait for the environment. An episode waiting for its tool never
 holds the engine's step (``agents/episode_driver.py`` runs environment calls on its own
-thread). An engine without the request API (``rollout.exact``'s, which runs the trainer's
-modules on static batches) runs every queued sample in one ``generate`` call instead.
+thread).
 
 Keys: a sample's key is its engine request id; an episode's key is its episode id (its
 turns are the requests ``key/t<k>``). A finished item carries its key
@@ -68,9 +67,7 @@ class WorkRunner:
         least this long."""
         self.engine, self.episodes, self.step_latency_s = engine, episodes, step_latency_s
         self.env_pool = env_pool
-        self.requests_api = hasattr(engine, "add_request")
         self._samples: set[str] = set()  # keys of this runner's unfinished samples
-        self._queued: list[SampleWork] = []  # an engine without the request API: the next generate call
         self.engine_steps = 0
 
     def submit(self, items: list[Work]) -> None:
@@ -80,22 +77,18 @@ class WorkRunner:
                     raise ValueError(f"work {w.key!r} is an agent episode, but this producer has no environment "
                                      "(env.name): the run's producers are built from one config")
                 self.episodes.add(w.key, w.row, w.seed)
-            elif self.requests_api:
+            else:
                 if w.images is None:
                     self.engine.add_request(w.key, w.prompt, w.params)
                 else:
                     self.engine.add_request(w.key, w.prompt, w.params, images=w.images)
                 self._samples.add(w.key)
-            else:
-                self._queued.append(w)
 
     def busy(self) -> bool:
-        return bool(self._queued or self._samples or (self.episodes is not None and self.episodes.live))
+        return bool(self._samples or (self.episodes is not None and self.episodes.live))
 
     def pump(self) -> list:
         """One engine step (or a short wait for the environment); the samples and episodes it finished."""
-        if self._queued:
-            return self._generate()
         if self.engine.has_unfinished_requests():
             t0 = time.perf_counter()
             finished = self.engine.step().finished
@@ -116,7 +109,6 @@ class WorkRunner:
         for key in list(self._samples):
             self.engine.abort(key)
         self._samples.clear()
-        self._queued.clear()
         if self.episodes is not None:
             self.episodes.abort()
 
@@ -125,21 +117,3 @@ class WorkRunner:
             self.episodes.close()
         if self.env_pool is not None:
             self.env_pool.close()
-
-    def _generate(self) -> list[RequestOutput]:
-        """Every queued sample in one ``generate`` call, as finished outputs."""
-        work, self._queued = self._queued, []
-        ro = self.engine.generate([w.prompt for w in work], [w.params for w in work])
-        version = self.engine.weight_version
-        return [RequestOutput(request_id=w.key, prompt_token_ids=list(w.prompt), token_ids=list(ro.response_token_ids[b]),
-                              logprobs=list(ro.response_logprobs[b]), token_versions=[version] * len(ro.response_token_ids[b]),
-                              finished=True, finish_reason=ro.finish_reasons[b],
-                              routed_experts=_row_routing(ro, b))
-                for b, w in enumerate(work)]
-
-
-def _row_routing(ro, b: int):
-    """Row ``b``'s routing record ``[prompt + response, layers, k]`` of a padded ``Rollouts``."""
-    if ro.routed_experts is None:
-        return None
-    return ro.routed_experts[b, :len(ro.prompt_token_ids[b]) + len(ro.response_token_ids[b])]

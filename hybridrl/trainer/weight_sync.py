@@ -16,8 +16,6 @@ decided (``pipeline/source.py``): the engine records it, nothing here computes o
   engine shard (``distributed/tp_refit.py``); collective.
 - :class:`LoRASync`: the adapters (or the merged targeted weights) only, the whole base
   only to an engine that does not hold the current base.
-- :class:`SharedWeightsSync`: an engine that runs the trainer's own modules
-  (``rollout.exact``): nothing to send, the version is recorded.
 
 The transports to other processes (shared memory to a worker process, Ray's object store
 to an actor) implement the same ``push`` in ``pipeline/``.
@@ -104,22 +102,8 @@ class LoRASync:
         return stats
 
 
-class SharedWeightsSync:
-    """The engine samples with the trainer's modules: a refit of identical weights, sent as nothing."""
-
-    def __init__(self, engine, spec: WeightSyncSpec):
-        self.engine = engine
-
-    def push(self, model, version: int) -> RefitStats:
-        self.engine.begin_weight_update()
-        return RefitStats(bytes_moved=0, seconds=0.0, version=self.engine.finish_weight_update(version=version),
-                          num_tensors=0)
-
-
 def weight_sync_for(engine, spec: WeightSyncSpec) -> WeightSync:
     """The one path for ``engine`` and the run's layout."""
-    if getattr(engine, "shares_trainer_weights", False):
-        return SharedWeightsSync(engine, spec)
     if spec.lora is not None:
         return LoRASync(engine, spec)
     if spec.tensor_parallel and getattr(engine, "takes_tp_slices", False):

@@ -45,10 +45,11 @@ def draw_requests(rng: random.Random, n: int, vocab: int, *, temperature: float 
 
 def trainer_logprobs(model, ro, temperature: float) -> torch.Tensor:
     """The trainer's old-log-prob pass over ``ro`` under exact numerics, ``[B, L]`` float32."""
+    dev = next(model.parameters()).device
     with torch.no_grad(), batch_invariant():
-        old, _ = logprobs_in_microbatches(model, ro.input_ids, ro.attention_mask, ro.response_mask,
-                                          temperature=temperature, max_tokens=700)
-    return old
+        old, _ = logprobs_in_microbatches(model, ro.input_ids.to(dev), ro.attention_mask.to(dev),
+                                          ro.response_mask.to(dev), temperature=temperature, max_tokens=700)
+    return old.cpu()
 
 
 def assert_bitwise(model, ro, temperature: float, what: str = "", min_tokens: int = 100) -> None:

@@ -1,10 +1,12 @@
-"""rollout.exact: the exact engine's log-probs equal the trainer's recomputation bit for bit.
+"""rollout.exact on the job's own models: the built-in engine's log-probs equal the trainer's
+recomputation bit for bit (the dense/MoE/MLA/LoRA families drawn per run:
+``test_engine_exact*.py``), the batch-invariant ops against float64, the job-level payoff
+(no recompute pass, identical metrics with the check on), and the one-line refusals.
 
-Each case draws 64 sequences of mixed prompt lengths and mixed response budgets, samples them
-in chunks of 24 rows (so every chunk mixes lengths and finishes rows at different steps), then
-scores them with the trainer's own forward (packed, micro-batched) under the same numerics and
-requires ``==`` on every response token. The reference is independent of the engine's path:
-one packed whole-sequence forward per micro-batch vs a left-padded prefill + one-token decode.
+Each round trip draws 64 sequences of mixed prompt lengths and mixed response budgets, samples
+them through 24 engine rows (rows join and finish at every step), then scores them with the
+trainer's own forward (packed, micro-batched) under the same numerics and requires ``==`` on
+every response token.
 """
 
 from __future__ import annotations
@@ -16,41 +18,23 @@ import _seeds
 import pytest
 import torch
 
+from _engine_round_trip import assert_bitwise, draw_requests, exact_engine
 from hybridrl.config import ModelConfig
 from hybridrl.config.base import ConfigError
-from hybridrl.exact import batch_invariant
-from hybridrl.exact.engine import ExactEngine
 from hybridrl.exact.ops import exact_logsumexp, padded_linear, pieced_unary
 from hybridrl.job.model_factory import builtin_model, builtin_tokenizer
-from hybridrl.rollout import SamplingParams
 from hybridrl.trainer.logprobs import logprobs_in_microbatches
 
 TOK = builtin_tokenizer()
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 
 
-def _prompts(rng: random.Random, n: int, vocab: int) -> list[list[int]]:
-    return [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 20))] for _ in range(n)]
-
-
 def _exact_round_trip(model, vocab: int, seed: int, *, temperature=1.0, top_p=1.0, max_tokens=(3, 24),
                       device="cpu"):
-    rng = random.Random(seed)
-    prompts = _prompts(rng, 64, vocab)
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=rng.randint(*max_tokens), seed=s)
-              for s in range(64)]
-    engine = ExactEngine(model, max_batch_size=24, max_seq_len=64, pad_token_id=0)
-    engine.begin_weight_update()
-    engine.finish_weight_update()
-    ro = engine.generate(prompts, params)
-    with batch_invariant():
-        old, _ = logprobs_in_microbatches(model, ro.input_ids.to(device), ro.attention_mask.to(device),
-                                          ro.response_mask.to(device), temperature=temperature, max_tokens=700)
-    old, mask = old.cpu(), ro.response_mask.bool()
-    assert int(mask.sum()) > 300
-    assert ro.logprobs[mask].abs().sum() > 0  # real log-probs, not zeros
-    differ = (old[mask] != ro.logprobs[mask])
-    assert not differ.any(), f"{int(differ.sum())} tokens differ, max {float((old - ro.logprobs).abs().max())}"
+    prompts, params = draw_requests(random.Random(seed), 64, vocab, temperature=temperature, top_p=top_p,
+                                    max_tokens=max_tokens)
+    ro = exact_engine(model, max_batch_size=24, max_seq_len=64, device=device).generate(prompts, params)
+    assert_bitwise(model, ro, temperature, f"seed {seed}", min_tokens=300)
     return ro
 
 
@@ -95,19 +79,6 @@ def test_qwen2_5_0_5b_shapes_are_bitwise():
     assert (plain[mask] != ro.logprobs[mask]).any()
 
 
-def test_lora_policy_is_bitwise():
-    from hybridrl.lora import apply_lora
-
-    model = builtin_model(TOK, ModelConfig(**SMALL), seed=4)
-    lora = apply_lora(model, rank=4, alpha=8, dropout=0, target_modules=["q_proj", "v_proj", "up_proj"],
-                      init="gaussian")
-    with torch.no_grad():
-        for n, p in lora.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)  # a trained adapter, not the zero start
-    _exact_round_trip(lora.model, len(TOK), seed=9)
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -117,42 +88,6 @@ def test_exact_on_cuda(dtype):
     A device whose GEMMs are not row-invariant is refused at engine build (one line)."""
     model = builtin_model(TOK, ModelConfig(dtype=dtype, **SMALL), seed=3).cuda()
     _exact_round_trip(model, len(TOK), seed=5, device="cuda")
-
-
-def test_the_weight_update_bracket_records_the_version_it_is_handed():
-    from hybridrl.rollout.weight_update import WeightUpdateError
-
-    engine = ExactEngine(builtin_model(TOK, ModelConfig(**SMALL), seed=8), max_batch_size=2, max_seq_len=16)
-    with pytest.raises(WeightUpdateError, match="no weight update in progress"):
-        engine.finish_weight_update()
-    engine.begin_weight_update()
-    assert engine.weight_update_in_progress
-    with pytest.raises(ValueError, match="nothing to load"):
-        engine.load_weights([])
-    assert engine.finish_weight_update(version=7) == engine.weight_version == 7
-    engine.begin_weight_update()
-    assert engine.finish_weight_update() == 8  # none handed: +1
-    engine.begin_weight_update()
-    with pytest.raises(ValueError, match="version=0 must be an int >= 1"):
-        engine.finish_weight_update(version=0)
-    assert engine.weight_version == 8 and not engine.weight_update_in_progress
-    engine.begin_weight_update()
-    engine.abort_weight_update()
-    assert engine.weight_version == 8 and not engine.weight_update_in_progress
-
-
-def test_a_request_alone_equals_it_in_a_batch():
-    model = builtin_model(TOK, ModelConfig(**SMALL), seed=8)
-    engine = ExactEngine(model, max_batch_size=32, max_seq_len=64)
-    engine.begin_weight_update()
-    engine.finish_weight_update()
-    rng = random.Random(3)
-    prompts = _prompts(rng, 20, len(TOK))
-    params = [SamplingParams(max_tokens=12, seed=s) for s in range(20)]
-    together = engine.generate(prompts, params)
-    alone = engine.generate([prompts[13]], [params[13]])
-    assert together.response_token_ids[13] == alone.response_token_ids[0]
-    assert together.response_logprobs[13] == alone.response_logprobs[0]
 
 
 def test_batch_invariant_ops_against_float64():
