@@ -71,3 +71,36 @@ def round_trip(model, seed: int, *, n: int = 64, temperature: float = 1.0, top_p
     ro = exact_engine(model, **engine_kwargs).generate(prompts, params)
     assert_bitwise(model, ro, temperature, what)
     return ro
+
+
+def chunked_round_trip(model, seed: int, what: str = "") -> None:
+    """24 requests through 8 rows, prompts up to 7x a prefill budget of 8 tokens: prefilled
+    in chunks between other rows' decode steps; bitwise == the trainer."""
+    prompts, params = draw_requests(random.Random(seed), 24, model.get_output_embeddings().weight.shape[0],
+                                    prompt_len=(4, 56), max_tokens=(3, 16))
+    engine = exact_engine(model, max_batch_size=8, max_seq_len=80, max_prefill_tokens=8)
+    assert engine.chunked_prefill
+    assert_bitwise(model, engine.generate(prompts, params), 1.0, what)
+
+
+def continuation_round_trip(model, seed: int, what: str = "", *, max_batch_size: int = 8) -> None:
+    """6 conversations: turn 1 retained, turn 2 = turn 1 + new tokens extends its cached KV (no
+    re-prefill); turn 2's log-probs == the trainer scoring the whole conversation."""
+    from hybridrl.rollout.rollouts import rollouts_from_outputs
+
+    rng = random.Random(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    engine = exact_engine(model, max_batch_size=max_batch_size, max_seq_len=96)
+    firsts = [f"t1-{i}" for i in range(6)]
+    for i, rid in enumerate(firsts):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 20))]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=rng.randint(2, 10), seed=i), retain=True)
+    turn1 = engine.run_until_finished(firsts)
+    seconds = [f"t2-{i}" for i in range(6)]
+    for i, (rid, nid) in enumerate(zip(firsts, seconds)):
+        o = turn1[rid]
+        follow = o.prompt_token_ids + o.token_ids + [rng.randrange(1, vocab) for _ in range(rng.randint(1, 12))]
+        engine.add_request(nid, follow, SamplingParams(max_tokens=rng.randint(3, 12), seed=100 + i), parent=rid)
+    turn2 = engine.run_until_finished(seconds)
+    assert all(turn2[r].cached_tokens > 0 for r in seconds), f"{what}: the continuations did not reuse the prefix"
+    assert_bitwise(model, rollouts_from_outputs([turn2[r] for r in seconds]), 1.0, what, min_tokens=18)

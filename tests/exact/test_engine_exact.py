@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from _engine_round_trip import assert_bitwise, draw_requests, exact_engine, round_trip, trainer_logprobs
+from _engine_round_trip import (assert_bitwise, chunked_round_trip, continuation_round_trip, draw_requests,
+                                exact_engine, round_trip, trainer_logprobs)
 from hybridrl.exact.ops import exact_log_softmax
 from hybridrl.job.model_factory import cast_as_loaded
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
-from hybridrl.rollout.rollouts import rollouts_from_outputs
 
 FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
@@ -61,15 +61,9 @@ def test_dense_families_are_bitwise_on_policy(dtype):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_family_with_chunked_prefill(family):
-    """Prompts up to 7x the prefill budget: prefilled in chunks between other rows' decode steps."""
     seed = _seeds.fresh_seed()
     model, what = draw_dense(seed, torch.float32, family)
-    rng = random.Random(seed)
-    vocab = model.config.vocab_size
-    prompts, params = draw_requests(rng, 24, vocab, prompt_len=(4, 56), max_tokens=(3, 16))
-    engine = exact_engine(model, max_batch_size=8, max_seq_len=80, max_prefill_tokens=8)
-    assert engine.chunked_prefill
-    assert_bitwise(model, engine.generate(prompts, params), 1.0, what)
+    chunked_round_trip(model, seed, what)
 
 
 def test_a_request_alone_equals_it_among_others():
@@ -88,29 +82,9 @@ def test_a_request_alone_equals_it_among_others():
 
 
 def test_continuation_from_a_retained_prefix_is_bitwise():
-    """Turn 2 extends turn 1's cached KV (no re-prefill): its log-probs == the trainer scoring
-    the whole conversation."""
     seed = _seeds.fresh_seed()
     model, what = draw_dense(seed, torch.float32)
-    rng = random.Random(seed)
-    vocab = model.config.vocab_size
-    engine = exact_engine(model, max_batch_size=8, max_seq_len=96)
-    firsts, outs = [], []
-    for i in range(6):
-        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 20))]
-        engine.add_request(f"t1-{i}", prompt, SamplingParams(max_tokens=rng.randint(2, 10), seed=i), retain=True)
-        firsts.append(f"t1-{i}")
-    turn1 = engine.run_until_finished(firsts)
-    seconds = []
-    for i, rid in enumerate(firsts):
-        o = turn1[rid]
-        follow = o.prompt_token_ids + o.token_ids + [rng.randrange(1, vocab) for _ in range(rng.randint(1, 12))]
-        engine.add_request(f"t2-{i}", follow, SamplingParams(max_tokens=rng.randint(3, 12), seed=100 + i),
-                           parent=rid)
-        seconds.append(f"t2-{i}")
-    turn2 = engine.run_until_finished(seconds)
-    assert all(turn2[r].cached_tokens > 0 for r in seconds), "the continuations did not reuse the prefix"
-    assert_bitwise(model, rollouts_from_outputs([turn2[r] for r in seconds]), 1.0, what, min_tokens=18)
+    continuation_round_trip(model, seed, what)
 
 
 def test_mixed_temperatures_and_greedy_rows_in_one_batch():

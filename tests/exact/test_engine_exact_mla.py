@@ -18,13 +18,13 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from _engine_round_trip import assert_bitwise, draw_requests, exact_engine, round_trip
+from _engine_round_trip import (assert_bitwise, chunked_round_trip, continuation_round_trip, draw_requests,
+                                exact_engine, round_trip)
 from hybridrl.exact.ops import exact_log_softmax
 from hybridrl.job.model_factory import cast_as_loaded
-from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
+from hybridrl.rollout import EngineSpec, RolloutEngine
 from hybridrl.rollout.exact_support import exact_refusal
 from hybridrl.rollout.model_config import parse_hf_config
-from hybridrl.rollout.rollouts import rollouts_from_outputs
 
 
 def draw_mla(seed: int, dtype: torch.dtype, *, moe: bool = False, **overrides):
@@ -73,15 +73,10 @@ def test_mla_is_bitwise_on_policy_with_continuous_batching(dtype):
 
 
 def test_mla_with_chunked_prefill():
-    """Prompts up to 7x the prefill budget: prefilled in chunks (extends over the cached
-    latent) between other rows' decode steps; 24 requests through 8 rows."""
+    """Chunks extend over the cached latent."""
     seed = _seeds.fresh_seed()
     model, what = draw_mla(seed, torch.float32)
-    prompts, params = draw_requests(random.Random(seed), 24, model.config.vocab_size, prompt_len=(4, 56),
-                                    max_tokens=(3, 16))
-    engine = exact_engine(model, max_batch_size=8, max_seq_len=80, max_prefill_tokens=8)
-    assert engine.chunked_prefill
-    assert_bitwise(model, engine.generate(prompts, params), 1.0, what)
+    chunked_round_trip(model, seed, what)
 
 
 def test_mla_bf16_yarn_with_q_lora_and_chunked_prefill():
@@ -99,29 +94,10 @@ def test_mla_bf16_yarn_with_q_lora_and_chunked_prefill():
 
 
 def test_mla_continuation_from_the_retained_latent_is_bitwise():
-    """Turn 2 extends turn 1's cached latent (no re-prefill): its log-probs == the trainer
-    scoring the whole conversation."""
+    """Turn 2 extends turn 1's cached latent (no re-prefill)."""
     seed = _seeds.fresh_seed()
     model, what = draw_mla(seed, torch.float32)
-    rng = random.Random(seed)
-    vocab = model.config.vocab_size
-    engine = exact_engine(model, max_batch_size=4, max_seq_len=96)
-    firsts = []
-    for i in range(6):
-        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 20))]
-        engine.add_request(f"t1-{i}", prompt, SamplingParams(max_tokens=rng.randint(2, 10), seed=i), retain=True)
-        firsts.append(f"t1-{i}")
-    turn1 = engine.run_until_finished(firsts)
-    seconds = []
-    for i, rid in enumerate(firsts):
-        o = turn1[rid]
-        follow = o.prompt_token_ids + o.token_ids + [rng.randrange(1, vocab) for _ in range(rng.randint(1, 12))]
-        engine.add_request(f"t2-{i}", follow, SamplingParams(max_tokens=rng.randint(3, 12), seed=100 + i),
-                           parent=rid)
-        seconds.append(f"t2-{i}")
-    turn2 = engine.run_until_finished(seconds)
-    assert all(turn2[r].cached_tokens > 0 for r in seconds), "the continuations did not reuse the latent"
-    assert_bitwise(model, rollouts_from_outputs([turn2[r] for r in seconds]), 1.0, what, min_tokens=18)
+    continuation_round_trip(model, seed, what, max_batch_size=4)
 
 
 def test_mla_full_sequence_logits_match_the_rollout_bits():

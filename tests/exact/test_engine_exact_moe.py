@@ -19,7 +19,8 @@ import torch
 from transformers import DeepseekV3Config, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-from _engine_round_trip import assert_bitwise, draw_requests, exact_engine, round_trip, trainer_logprobs
+from _engine_round_trip import (assert_bitwise, chunked_round_trip, draw_requests, exact_engine, round_trip,
+                                trainer_logprobs)
 from hybridrl.exact import batch_invariant
 from hybridrl.job.model_factory import cast_as_loaded
 from hybridrl.rollout.layers.context import LayerContext
@@ -76,11 +77,7 @@ def test_chunked_prefill_and_renormalization_both_ways(family, norm, dtype):
     steps; 24 requests through 8 rows."""
     seed = _seeds.fresh_seed()
     model, what = draw_moe(seed, dtype, family, norm)
-    prompts, params = draw_requests(random.Random(seed), 24, model.config.vocab_size, prompt_len=(4, 56),
-                                    max_tokens=(3, 16))
-    engine = exact_engine(model, max_batch_size=8, max_seq_len=80, max_prefill_tokens=8)
-    assert engine.chunked_prefill
-    assert_bitwise(model, engine.generate(prompts, params), 1.0, what)
+    chunked_round_trip(model, seed, what)
 
 
 def test_routing_record_is_the_trainers_routing():
