@@ -38,7 +38,10 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     q ``[N, H, Lq, D]``; k ``[N, KVH, Lk, D]``, v ``[N, KVH, Lk, Dv]``, each row's keys from
     its sequence's first token (slot 0 = position 0); ``q_offset [N]`` long: the position of
     row n's first query (query j sits at ``q_offset + j`` and attends keys ``<= q_offset + j``);
-    ``k_len [N]``: row n's valid keys. Returns ``[N, H, Lq, Dv]`` in q's dtype.
+    ``k_len [N]``: row n's valid keys. Returns ``[N, H, Lq, Dv]`` in q's dtype. Keys at or
+    past ``k_len`` are masked before the softmax, so they may hold any finite values (the
+    engine passes whole 64-slot blocks of its cache, zero-initialized, finite); a block
+    is never copied when ``Lk`` is a multiple of ``KEY_BLOCK`` in float32.
 
     The ``G = H / KVH`` query heads of a KV head are stacked as ``G * Lq`` rows of one GEMM
     against that head's keys (no ``repeat_interleave`` of k and v), padded to a multiple of
@@ -54,9 +57,12 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     qf = q.new_zeros(N, KVH, rows, D, dtype=torch.float32)
     qf[:, :, :R].view(N, KVH, G, Lq, D).copy_(q.view(N, KVH, G, Lq, D))
     width = -(-Lk // KEY_BLOCK) * KEY_BLOCK
-    kf = k.new_zeros(N, KVH, width, D, dtype=torch.float32)
-    vf = v.new_zeros(N, KVH, width, Dv, dtype=torch.float32)
-    kf[:, :, :Lk], vf[:, :, :Lk] = k, v
+    if Lk == width and k.dtype == v.dtype == torch.float32:  # whole blocks already (the engine's cache view)
+        kf, vf = k, v
+    else:
+        kf = k.new_zeros(N, KVH, width, D, dtype=torch.float32)
+        vf = v.new_zeros(N, KVH, width, Dv, dtype=torch.float32)
+        kf[:, :, :Lk], vf[:, :, :Lk] = k, v
     q_pos = q_offset.view(N, 1) + (torch.arange(rows, device=dev) % max(Lq, 1)).view(1, rows)  # (N, rows)
     limit = torch.minimum(q_pos, k_len.view(N, 1) - 1).view(N, 1, rows, 1)  # last key each query may see
     key_pos = torch.arange(width, device=dev).view(1, 1, 1, width)

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hybridrl.rollout.layers import cpu_linear
+
 ROW_TILE = 16  # attention query rows are padded to a multiple of it (attention.py)
 GEMM_TILE = 32  # rows per F.linear call
 UNARY_PIECE = 16384  # elements per call: a multiple of every SIMD width, below torch's grain (32768)
@@ -89,7 +91,8 @@ class _TiledLinear(torch.autograd.Function):
         # the input is kept only for the weight's gradient (a frozen LoRA base needs none)
         ctx.save_for_backward(flat if weight.requires_grad else None, weight)
         ctx.has_bias = bias is not None
-        return torch.cat([F.linear(tile, weight, bias) for tile in flat.split(GEMM_TILE)])  # (no graph: a Function)
+        # (no graph: a Function) oneDNN's inner product for large weights, as the engine's default path
+        return torch.cat([cpu_linear.linear(tile, weight, bias) for tile in flat.split(GEMM_TILE)])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

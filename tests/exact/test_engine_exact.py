@@ -153,3 +153,14 @@ def test_lora_adapters_are_bitwise(dtype):
     refit_from_model(engine, lora.refit_tensors("adapter", full=True), verify=True)
     prompts, params = draw_requests(rng, 48, model.config.vocab_size)
     assert_bitwise(lora.model, engine.generate(prompts, params), 1.0, f"{what} lora on {targets}")
+
+
+def test_per_shard_gemms_where_the_fused_gemm_would_differ(monkeypatch):
+    """On a machine whose BLAS gives a fused qkv / gate_up GEMM other column bits than the
+    per-shard ones (``fused_is_exact`` False), the layers multiply shard by shard: still bitwise."""
+    import hybridrl.rollout.layers.exact_linear as exact_linear
+
+    monkeypatch.setattr(exact_linear, "fused_is_exact", lambda *shape: False)
+    seed = _seeds.fresh_seed()
+    model, what = draw_dense(seed, torch.bfloat16)
+    round_trip(model, seed, n=32, what=what)

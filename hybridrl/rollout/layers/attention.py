@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.exact.attention import sequence_attention
+from hybridrl.exact.attention import KEY_BLOCK, sequence_attention
 from hybridrl.rollout.core.kv_cache import KVCache
 from hybridrl.rollout.layers import flash_decode
 from hybridrl.rollout.layers.context import LayerContext
@@ -142,6 +142,7 @@ class Attention(nn.Module):
                 T = S
                 k_cache[r0:r0 + B, :, :S].copy_(k.transpose(1, 2))
                 v_cache[r0:r0 + B, :, :S].copy_(v.transpose(1, 2))
+            T = min(-(-T // KEY_BLOCK) * KEY_BLOCK, k_cache.shape[2])  # whole key blocks: no padded copy
             keys, values = k_cache[r0:r0 + B, :, :T], v_cache[r0:r0 + B, :, :T]
         return sequence_attention(q, keys, values, scale=self.head_dim ** -0.5, q_offset=ctx.positions[:, 0],
                                   k_len=ctx.seq_lens)
