@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.exact.ops import exact_log_softmax
+from hybridrl.exact.ops import exact_log_softmax, pieced_unary
 
 
 @dataclass
@@ -69,7 +69,7 @@ def draw(logits: torch.Tensor, logp: torch.Tensor, st: SamplingTensors, step: in
     """Tokens from ``logp [B, V]`` = ``log_softmax(logits / T)`` (computed by the caller, in
     its numerics: exact mode's differ), then (tokens [B] long, their log-probs [B]): top-k /
     top-p in sorted order, the row's uniform inverted on the CDF, greedy rows the argmax."""
-    probs = logp.exp()
+    probs = pieced_unary(torch.exp, logp) if st.exact else logp.exp()  # exact: each element on the SIMD path
     if st.use_top_k_top_p:
         # Truncate in sorted order, then scatter back: the CDF is always inverted in vocabulary
         # order, so a row that does not truncate samples exactly what it would in a batch where
@@ -89,8 +89,10 @@ def _truncate(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     (renormalized after top-k, as HF's warpers do) already reaches top_p."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
     probs = sorted_probs.masked_fill(ranks >= top_k, 0.0)
-    before = probs.cumsum(dim=-1) - probs
-    return probs.masked_fill(before >= top_p * probs.sum(dim=-1, keepdim=True), 0.0)
+    through = probs.cumsum(dim=-1)  # a sequential scan per row: the same bits alone or in a batch
+    # the total is the scan's last column, not probs.sum(): a long row alone is summed across
+    # threads, rows in a batch are not, and the cut would move with the batch (V = 151936: 34 of 64 rows)
+    return probs.masked_fill(through - probs >= top_p * through[..., -1:], 0.0)
 
 
 def _gather(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
