@@ -25,6 +25,12 @@ Why each op needs it (measured on torch 2.13 CPU, MKL / oneDNN, 2 threads):
   reductions (one piece for shorter rows), combined in a fixed order, so the engine's
   sampler and the trainer's scorer compute the same ``z - logsumexp(z)``.
 
+- a patch embedding (``Conv3d`` / ``Conv2d`` whose kernel covers its whole input: the vision
+  towers of Qwen2.5-VL / Qwen3-VL, kernel == stride): oneDNN's convolution picks its kernel
+  from the patch count too (bf16, 1280 filters of 3x2x14x14: 4 patches alone gave other bits
+  than inside 1500). It runs as ``padded_linear`` over the flattened patches (``patch_conv``),
+  on both sides alike.
+
 Everything else (embedding lookups, elementwise add/mul/div, short-row means, bmm over
 fixed shapes) is already shape-independent here; ``check_batch_invariance`` probes the
 ops that matter on this machine and says so in one line if the BLAS disagrees.
@@ -103,6 +109,22 @@ class _TiledLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def patch_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
+               dilation=1, groups: int = 1) -> torch.Tensor | None:
+    """``F.conv2d`` / ``F.conv3d`` of a kernel that covers the whole input (one output per
+    input: a patch embedding) as ``padded_linear`` over the flattened patches; None for any
+    other convolution (left to torch)."""
+    spatial = weight.dim() - 2
+    flat_pad = [padding] if isinstance(padding, (int, str)) else list(padding)
+    flat_dil = [dilation] if isinstance(dilation, int) else list(dilation)
+    whole = (x.dim() == weight.dim() and tuple(x.shape[2:]) == tuple(weight.shape[2:]) and groups == 1
+             and all(p in (0, "valid") for p in flat_pad) and all(d == 1 for d in flat_dil))
+    if not whole:
+        return None
+    out = padded_linear(x.reshape(x.shape[0], -1), weight.reshape(weight.shape[0], -1), bias)
+    return out.view(x.shape[0], weight.shape[0], *([1] * spatial))
+
+
 def pieced_unary(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``fn(x)`` elementwise with every element on the SIMD path (see the module doc)."""
     n = x.numel()
@@ -152,6 +174,10 @@ class BatchInvariantMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return padded_linear(*args, **kwargs)
+        if func in (F.conv2d, F.conv3d):
+            out = patch_conv(*args, **kwargs)
+            if out is not None:
+                return out
         unary = _UNARY.get(func)
         if unary is not None:
             x, *rest = args

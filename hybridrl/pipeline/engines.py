@@ -241,8 +241,6 @@ def check_vision_language(cfg: Config, hf_config) -> None:
     from hybridrl.config.base import ConfigError
 
     unsupported = {
-        "rollout.exact": (cfg.rollout.exact, "the built-in engine's exact layers do not cover the vision tower and "
-                                             "mRoPE yet"),
         "algo.advantage.estimator=gae": (cfg.algo.advantage.estimator == "gae",
                                          "the critic is a text value model; use a critic-free estimator (grpo, "
                                          "rloo, reinforce_plus_plus, ...)"),

@@ -179,7 +179,7 @@ class ModelRunner:
             packed = self.model.logits(input_ids.gather(1, order), mask.gather(1, order))
             return torch.empty_like(packed).scatter_(1, order.unsqueeze(-1).expand_as(packed), packed)
         if self.exact:
-            return self._logits_exact(input_ids, mask)
+            return self._logits_exact(input_ids, mask, images)
         right_padded = bool((mask.long().cumsum(-1) == torch.arange(1, S + 1, device=mask.device)).eq(mask).all())
         if right_padded:
             positions, attn_mask = self.slot_ids[:S].expand(B, S), None
@@ -196,15 +196,22 @@ class ModelRunner:
         ctx = ForwardContext(positions, cos, sin, kv_cache=None, attn_mask=attn_mask, visual=visual)
         return self.model.compute_logits(self.model(input_ids, ctx)).float()
 
-    def _logits_exact(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _logits_exact(self, input_ids: torch.Tensor, mask: torch.Tensor, images=None) -> torch.Tensor:
         """``logits`` under exact numerics: each row's tokens moved to slot 0 (the exact attention
         counts key blocks from a sequence's first token), run, and put back in place."""
         B, S = input_ids.shape
         order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid tokens first, in order
-        positions = self.slot_ids[:S].expand(B, S)
-        cos, sin = self.model.model.rotary_emb.tables(positions)
-        ctx = ForwardContext(positions, cos, sin, kv_cache=None, seq_lens=mask.sum(1))
-        packed = self.model.compute_logits(self.model(input_ids.gather(1, order), ctx)).float()
+        ids = input_ids.gather(1, order)
+        positions = rope_positions = self.slot_ids[:S].expand(B, S)
+        visual = None
+        if self.vl is not None:  # the images laid out over the moved rows (right-padded now)
+            mm = logits_batch(ids, mask.gather(1, order).long(), images, self.vl.tokens, self.model.model.encode)
+            rope_positions, visual = mm.positions, mm.visual
+        elif images is not None:
+            raise ValueError(f"logits: images given, but the {self.model.config.model_type} model takes none")
+        cos, sin = self.model.model.rotary_emb.tables(rope_positions)
+        ctx = ForwardContext(positions, cos, sin, kv_cache=None, seq_lens=mask.sum(1), visual=visual)
+        packed = self.model.compute_logits(self.model(ids, ctx)).float()
         return torch.empty_like(packed).scatter_(1, order.unsqueeze(-1).expand_as(packed), packed)
 
     def named_state_tensors(self):

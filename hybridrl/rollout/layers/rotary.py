@@ -93,13 +93,16 @@ class MRotaryEmbedding(RotaryEmbedding):
     cos/sin row of a token is, column by column, the plain table's row at that column's
     axis position: a gather from the tables built once (graph-safe; no trigonometry per
     call), and a text token (three equal positions) gets exactly the plain rope row.
+    ``exact``: the tables on the SIMD path (as the plain rope); transformers' mRoPE computes
+    each axis's ``inv_freq * position`` (a K = 1 product) and its cos / sin elementwise, so
+    under ``hybridrl.exact`` every column carries the gathered table's bits.
     ``tables`` takes ``[B, S]`` positions (plain rope: decode, where every axis sits at
     ``slot + delta``) or ``[3, B, S]``.
     """
 
     def __init__(self, rope: dict[str, Any], head_dim: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device):
-        super().__init__(rope, head_dim, max_seq_len, dtype, device)
+                 device: torch.device, exact: bool = False):
+        super().__init__(rope, head_dim, max_seq_len, dtype, device, exact)
         axes = mrope_axes(rope["mrope_section"], bool(rope.get("mrope_interleaved", False)), head_dim // 2)
         self.register_buffer("col_axis", torch.cat([axes, axes]).to(device), persistent=False)  # (D,)
         self.register_buffer("col", torch.arange(head_dim, device=device), persistent=False)  # (D,)
@@ -140,5 +143,5 @@ def rotary_for(rope: dict[str, Any], head_dim: int, max_seq_len: int, dtype: tor
                device: torch.device, exact: bool = False) -> RotaryEmbedding:
     """The rope of a config: mRoPE when it has an ``mrope_section``, else the plain one."""
     if "mrope_section" in rope:
-        return MRotaryEmbedding(rope, head_dim, max_seq_len, dtype, device)
+        return MRotaryEmbedding(rope, head_dim, max_seq_len, dtype, device, exact)
     return RotaryEmbedding(rope, head_dim, max_seq_len, dtype, device, exact)

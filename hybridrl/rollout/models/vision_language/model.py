@@ -27,6 +27,10 @@ class VisionLanguageTextModel(DecoderModel):
     """The decoder, with image features written over the image tokens' embeddings and
     (Qwen3-VL) deepstack features added after the first decoder layers (``ctx.visual``)."""
 
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, ctx: LayerContext):
+        super().__init__(cfg, max_seq_len, ctx)
+        self.exact = ctx.exact
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [B, S] -> final hidden states [B, S, hidden]."""
         visual = ctx.visual
@@ -40,7 +44,13 @@ class VisionLanguageTextModel(DecoderModel):
                 # transformers adds them to the layer's output hidden states (Qwen3VLTextModel.
                 # _deepstack_process); ours is split as (x, residual) and summed by the next
                 # layer (or the final norm), so adding to x adds to that sum
-                x.view(-1, H)[visual.index] += visual.deepstack[i].to(x.dtype)
+                if self.exact:  # ... in transformers' order: (x + residual) + deepstack, then
+                    # carried as the residual beside a -0.0 x (x + -0.0 == x bit for bit, zeros' signs too)
+                    residual = x + residual
+                    residual.view(-1, H)[visual.index] += visual.deepstack[i].to(x.dtype)
+                    x = torch.full_like(x, -0.0)
+                else:
+                    x.view(-1, H)[visual.index] += visual.deepstack[i].to(x.dtype)
         x, _ = self.norm.add_forward(x, residual)
         return x
 
@@ -51,6 +61,7 @@ class VisionLanguageModel(nn.Module):
         self.visual = build_vision_tower(cfg.vl, ctx.dtype, ctx.device)
         self.language_model = VisionLanguageTextModel(cfg, max_seq_len, ctx.child("language_model"))
         self.vision_counter = VisionCounter()
+        self.exact = ctx.exact  # the tower under hybridrl.exact, as the trainer runs it (rollout.exact)
 
     @property
     def rotary_emb(self) -> nn.Module:
@@ -61,7 +72,14 @@ class VisionLanguageModel(nn.Module):
 
     def encode(self, images: ImageInputs) -> ImageFeatures:
         """One vision-tower call over ``images``, features in the language model's dtype."""
-        return encode_images(self.visual, images, self.vision_counter)
+        if not self.exact:
+            return encode_images(self.visual, images, self.vision_counter)
+        from hybridrl.exact import batch_invariant
+
+        # exact: transformers' tower under the trainer's numerics; the engine's step runs with
+        # torch functions disabled (its own layers call their exact kernels), so re-enable them here
+        with torch._C._EnableTorchFunction(), batch_invariant():
+            return encode_images(self.visual, images, self.vision_counter)
 
 
 class VisionLanguageForCausalLM(nn.Module):
@@ -73,7 +91,7 @@ class VisionLanguageForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, ctx: LayerContext):
         super().__init__()
-        self.config, self.tp = cfg, ctx.tp
+        self.config, self.tp, self.exact = cfg, ctx.tp, ctx.exact
         self.model = VisionLanguageModel(cfg, max_seq_len, ctx.child("model"))
         tied = self.model.language_model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.child("lm_head"), tied_to=tied)
