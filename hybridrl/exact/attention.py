@@ -81,7 +81,7 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
             p = torch.zeros_like(s)
             p[:, :, :R] = pieced_unary(torch.exp, s[:, :, :R] - m[:, :, :R])
         else:
-            p = pieced_unary(torch.exp, s.sub_(m))  # every element on the SIMD path, whatever N and threads
+            p = pieced_unary(torch.exp, s - m)  # every element on the SIMD path; not in place: amax saved s
         denom = denom + p.sum(-1)
         acc = acc + torch.matmul(p, vf[:, :, b * KEY_BLOCK:(b + 1) * KEY_BLOCK])
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)

@@ -139,3 +139,27 @@ def test_unsupported_combinations_are_one_line_errors(bad, key):
     assert "\n" not in str(e.value) and "rollout.exact=false" in str(e.value)
     with pytest.raises(ConfigError, match="rollout.exact=true"):
         load_config(None, ["rollout.exact_recompute=true"])
+
+
+@pytest.mark.parametrize("heads,kv_heads,length", [(4, 2, 40), (4, 2, 24), (4, 4, 16), (2, 1, 70)])
+def test_exact_attention_backward_matches_float64(heads, kv_heads, length):
+    """The trainer's update differentiates through the exact attention: its gradients equal a
+    float64 causal softmax attention's (rows G * length a multiple of 16 or not: the stacked
+    query rows fill their tiles exactly or are padded)."""
+    from hybridrl.exact.attention import sequence_attention
+
+    g = torch.Generator().manual_seed(_seeds.fresh_seed())
+    q = torch.randn(1, heads, length, 16, generator=g, requires_grad=True)
+    k = torch.randn(1, kv_heads, length, 16, generator=g, requires_grad=True)
+    v = torch.randn(1, kv_heads, length, 16, generator=g, requires_grad=True)
+    w = torch.randn(1, heads, length, 16, generator=g)
+    zero = torch.zeros(1, dtype=torch.long)
+    (sequence_attention(q, k, v, scale=0.25, q_offset=zero, k_len=zero + length) * w).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = heads // kv_heads
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q64, k64.repeat_interleave(rep, 1), v64.repeat_interleave(rep, 1), is_causal=True, scale=0.25)
+    (out * w.double()).sum().backward()
+    for a, b in zip(got, (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
