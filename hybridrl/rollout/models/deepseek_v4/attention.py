@@ -55,18 +55,23 @@ class V4Rotary(nn.Module):
                                  persistent=False)
 
     def tables(self, label: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] long -> (cos, sin) [..., rope_dim] (pairs expanded)."""
+        """positions [...] long -> (cos, signed sin) [..., rope_dim], what :func:`rotate_tail`
+        takes: each pair's cos twice, its sin as ``(-sin, +sin)`` (the sign of the rotation's
+        swapped term, so a rotation is two multiplies and an add, no negation per call)."""
         cos, sin = getattr(self, f"{label}_cos")[positions], getattr(self, f"{label}_sin")[positions]
-        return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved rope on the trailing ``cos.shape[-1]`` channels of ``x`` (float32 math, cast
-    back); ``cos``/``sin`` broadcast against ``x[..., -R:]``."""
+    back); ``cos``/``sin`` (``V4Rotary.tables``: signed sin) broadcast against ``x[..., -R:]``.
+
+    Pair (a, b) -> (a cos - b sin, b cos + a sin): the swapped pair (b, a) times the signed sin
+    (-sin, sin) — bitwise the negate-and-interleave form, in one ``flip``."""
     R = cos.shape[-1]
-    nope, rope = x[..., :-R], x[..., -R:]
-    half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([nope, (rope.float() * cos + half.float() * sin).to(x.dtype)], dim=-1)
+    rope = x[..., -R:]
+    swapped = rope.unflatten(-1, (R // 2, 2)).flip(-1).flatten(-2)
+    return torch.cat([x[..., :-R], (rope.float() * cos + swapped.float() * sin).to(x.dtype)], dim=-1)
 
 
 class GroupedLinear(LinearBase):
@@ -198,13 +203,14 @@ class Indexer(_Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = ReplicatedLinear(hidden, self.heads, ctx.child("scorer.weights_proj").unquantized())
 
-    def select(self, x, q_res, positions, rotary: V4Rotary, keys: torch.Tensor) -> torch.Tensor:
+    def select(self, x, q_res, positions, rotary: V4Rotary, keys: torch.Tensor, tabs=None) -> torch.Tensor:
         """Queries x / q_res [B, S, *] at ``positions [B, S]`` over the index keys ``[B, n, D_I]``
         -> ids [B, S, min(topk, n)] of the chosen complete entries, -1 = none (the rule:
-        :func:`select_top_entries`)."""
+        :func:`select_top_entries`). ``tabs``: the compress rope's tables at ``positions`` if
+        the caller has them (a decode step computes them once for every layer)."""
         B, S, _ = x.shape
         q = self.q_b_proj(q_res).view(B, S, self.heads, self.head_dim)
-        cos, sin = rotary.tables("compress", positions)
+        cos, sin = rotary.tables("compress", positions) if tabs is None else tabs
         q = rotate_tail(q, cos.unsqueeze(2), sin.unsqueeze(2))
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # (B, S, H_I, n)
         scores = F.relu(scores) * self.head_dim ** -0.5
@@ -257,11 +263,15 @@ class V4Attention(nn.Module):
     def _attend(self, q, keys, bias, cos, sin) -> torch.Tensor:
         """Sink attention over keys (= values) -> conjugate rope -> o_a (grouped) -> o_b."""
         B, H, S, D = q.shape
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * D ** -0.5 + bias  # (B, H, S, T)
+        T = keys.shape[-2]
+        # one GEMM per row over all its heads' queries (the KV head is shared): matmul's
+        # broadcast of keys [B, 1, T, D] over H would copy them H times first
+        k = keys.reshape(B, T, D)
+        scores = torch.bmm(q.reshape(B, H * S, D), k.transpose(1, 2)).view(B, H, S, T) * D ** -0.5 + bias
         logits = torch.cat([scores, self.sinks.view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-        o = torch.matmul(probs.to(keys.dtype), keys)  # (B, H, S, D): V is the same rotated kv
+        o = torch.bmm(probs.to(keys.dtype).reshape(B, H * S, T), k).view(B, H, S, D)  # V is the same rotated kv
         o = rotate_tail(o, cos, -sin).transpose(1, 2)  # conjugate rotation at the query position
         z = self.o_a_proj(o.reshape(B, S, self.o_a_proj.n_groups, -1)).flatten(2)
         return self.o_b_proj(z)
@@ -310,12 +320,14 @@ class V4Attention(nn.Module):
         return torch.zeros(B, 1, S, n, dtype=x.dtype, device=x.device).masked_fill_(blocked.unsqueeze(1),
                                                                                     float("-inf"))
 
-    def decode(self, x: torch.Tensor, t: torch.Tensor, rotary: V4Rotary, state: dict) -> torch.Tensor:
-        """One token per row: rows [0, B) of ``state`` at positions ``t [B]`` -> [B, 1, hidden]."""
+    def decode(self, x: torch.Tensor, t: torch.Tensor, rotary: V4Rotary, state: dict, tabs: dict) -> torch.Tensor:
+        """One token per row: rows [0, B) of ``state`` at positions ``t [B]`` -> [B, 1, hidden].
+        ``tabs``: ``{label: rotary.tables(label, t.view(B, 1))}``, computed once per step for
+        every layer (the same tables in all of them)."""
         B = x.shape[0]
         W = self.window
-        cos, sin = rotary.tables(self.rope, t.view(B, 1))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, R)
+        tab = tabs[self.rope]  # (B, 1, R) each
+        cos, sin = tab[0].unsqueeze(1), tab[1].unsqueeze(1)  # (B, 1, 1, R)
         q_res, q, kv = self._qkv(x, cos, sin)
         arange = torch.arange(B, device=x.device)
         swa = state["swa"][:B]
@@ -327,16 +339,17 @@ class V4Attention(nn.Module):
         if self.compressor is not None:
             comp = self.compressor
             entries = state["comp"][:B]
-            self._write_entry(comp, state, "", x, t, rotary, entries)
-            n = entries.shape[1]
             threshold = (t + 1) // comp.rate  # entries < threshold are complete
+            rebuild = _completes(t, threshold, comp.rate)
+            self._write_entry(comp, state, "", x, t, rotary, entries, rebuild)
+            n = entries.shape[1]
             if self.layer_type == "heavily_compressed_attention":
                 blocked = torch.arange(n, device=x.device).view(1, n) >= threshold.view(B, 1)
             else:
                 indexer = comp.indexer
                 index = state["index"][:B]
-                self._write_entry(indexer, state, "index_", x, t, rotary, index)
-                ids = indexer.select(x, q_res, t.view(B, 1), rotary, index)[:, 0]  # (B, k)
+                self._write_entry(indexer, state, "index_", x, t, rotary, index, rebuild)
+                ids = indexer.select(x, q_res, t.view(B, 1), rotary, index, tab)[:, 0]  # (B, k)
                 blocked = _unchosen(ids, n)
             bias = torch.cat([bias, torch.zeros(B, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill_(
                 blocked.view(B, 1, 1, n), float("-inf"))], dim=-1)
@@ -344,16 +357,30 @@ class V4Attention(nn.Module):
         return self._attend(q, keys, bias, cos, sin)
 
     @staticmethod
-    def _write_entry(comp, state: dict, prefix: str, x, t, rotary, entries) -> None:
-        """Append this token's raw projections to the rings and (re)build its window's entry."""
+    def _write_entry(comp, state: dict, prefix: str, x, t, rotary, entries, rebuild: bool = True) -> None:
+        """Append this token's raw projections to the rings and, if ``rebuild``, (re)build its
+        window's entry (skipped when no row completes a window: a partial entry is never read)."""
         B = x.shape[0]
         arange = torch.arange(B, device=x.device)
         raw_kv, raw_gate = state[f"{prefix}raw_kv"][:B], state[f"{prefix}raw_gate"][:B]
         slot = torch.remainder(t, raw_kv.shape[1])
         raw_kv[arange, slot] = comp.kv_proj(x)[:, 0]
         raw_gate[arange, slot] = comp.gate_proj(x)[:, 0]
-        entries[arange, torch.div(t, comp.rate, rounding_mode="floor")] = comp.decode_entry(raw_kv, raw_gate, t,
-                                                                                           rotary)
+        if rebuild:
+            entries[arange, torch.div(t, comp.rate, rounding_mode="floor")] = comp.decode_entry(raw_kv, raw_gate, t,
+                                                                                               rotary)
+
+
+def _completes(t: torch.Tensor, threshold: torch.Tensor, rate: int) -> bool:
+    """Whether a decode step at positions ``t`` must rebuild entries: always off the CPU (no
+    host sync in the launch queue, and a graph could not branch on it); on the CPU only if some
+    row completes its window now (``t + 1 == threshold * rate``). A partial entry is masked
+    until its window completes (attention bias, the indexer's ``complete``) and is rebuilt then
+    from the rings, so skipping the per-step rebuild changes no output; it saves the rebuild
+    on ``rate - 1`` of every ``rate`` steps (all but one in 128 on an HCA layer)."""
+    if t.device.type != "cpu":
+        return True
+    return bool((threshold * rate == t + 1).any())
 
 
 def _unchosen(ids: torch.Tensor, n: int) -> torch.Tensor:

@@ -159,9 +159,11 @@ class DeepseekV4Model(nn.Module):
         """tokens, positions [B] of rows [0, B) of ``state`` -> hidden [B, hidden]."""
         ids = tokens.view(-1, 1)
         rot = self.rotary_emb
+        # one table lookup per rope for the step, not one per layer (every layer reads the same)
+        tabs = {label: rot.tables(label, positions.view(-1, 1)) for label in ("main", "compress")}
         streams = self._streams(ids)
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, ids, lambda attn, x, s=state.layers[i]: attn.decode(x, positions, rot, s),
+            streams = layer(streams, ids, lambda attn, x, s=state.layers[i]: attn.decode(x, positions, rot, s, tabs),
                             decoding=True)
         return self.norm(self.hc_head(streams))[:, 0]
 
