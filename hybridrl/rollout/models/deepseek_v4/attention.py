@@ -71,6 +71,8 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     R = cos.shape[-1]
     rope = x[..., -R:]
     swapped = rope.unflatten(-1, (R // 2, 2)).flip(-1).flatten(-2)
+    if x.dtype == torch.float32:  # the casts would be no-ops, each still a dispatch (~30 rotations a step)
+        return torch.cat([x[..., :-R], rope * cos + swapped * sin], dim=-1)
     return torch.cat([x[..., :-R], (rope.float() * cos + swapped.float() * sin).to(x.dtype)], dim=-1)
 
 

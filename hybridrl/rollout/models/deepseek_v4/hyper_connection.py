@@ -46,18 +46,22 @@ class HyperConnection(nn.Module):
         self.fn = loaded_param((2 + n) * n, n * hidden_size, dtype=dtype, device=device)
         self.base = loaded_param((2 + n) * n, dtype=dtype, device=device)
         self.scale = loaded_param(3, dtype=dtype, device=device)
+        # which of the 3 scales (pre, post, comb) each of the (2 + n) * n mixes takes; a constant
+        # of the shape, not of the weights (refit never touches it)
+        self.register_buffer("scale_index", torch.tensor([0] * n + [1] * n + [2] * n * n, device=device),
+                             persistent=False)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, S, N, H] -> (post [B, S, N] fp32, comb [B, S, N, N] fp32, collapsed [B, S, H])."""
         B, S = streams.shape[:2]
         n, eps = self.n, self.hc_eps
         mixes = F.linear(unweighted_rms_norm(streams.reshape(B, S, -1).float(), self.norm_eps), self.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(B, S, n, n) * s_comb + comb_b.view(n, n), dim=-1) + eps
+        # each mix times its group's scale plus its base, all (2 + n) * n at once: per element
+        # the same multiply and add as one group at a time (bitwise), in 3 ops instead of 9
+        z = mixes * self.scale[self.scale_index] + self.base
+        pre = torch.sigmoid(z[..., :n]) + eps
+        post = 2 * torch.sigmoid(z[..., n:2 * n])
+        comb = torch.softmax(z[..., 2 * n:].view(B, S, n, n), dim=-1) + eps
         sinkhorn_(comb, self.iters, eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
         return post, comb, collapsed
@@ -76,11 +80,12 @@ def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     Every op is a few N x N matrices, so on the CPU the cost is per-op dispatch (~2 us in
     torch, 117 ops at 20 iterations, 12 calls per V4 decode step ~ 1/3 of a step's ops):
     small batches run the same ops in numpy on the same memory (~0.7 us each), bitwise equal
-    to torch's for N < 8 (float32 sums of N terms in order, the same float32 add and divide;
-    checked over 2500 random draws; at N = 8 numpy's pairwise sum unrolls and differs in the
-    last bit). Elsewhere: torch, in place (no allocation per op)."""
+    to torch's for N <= 4 (V4's hc_mult is 4): the same float32 adds in order and divide
+    (``tests/rollout/test_v4_decode_fastpaths.py``; at N = 5..8 the two sum in another order
+    and differ in the last bit, so those take torch). Elsewhere: torch, in place (no
+    allocation per op)."""
     n = comb.shape[-1]
-    if comb.device.type == "cpu" and comb.dtype == torch.float32 and n < 8 and comb.is_contiguous() and \
+    if comb.device.type == "cpu" and comb.dtype == torch.float32 and n <= 4 and comb.is_contiguous() and \
             comb.numel() <= NUMPY_SINKHORN_MAX * n * n:
         a, e = comb.numpy(), np.float32(eps)  # a view: the in-place ops write comb
         total = np.add.reduce  # ndarray.sum without its Python wrapper (~10% less per call)
