@@ -104,3 +104,14 @@ def continuation_round_trip(model, seed: int, what: str = "", *, max_batch_size:
     turn2 = engine.run_until_finished(seconds)
     assert all(turn2[r].cached_tokens > 0 for r in seconds), f"{what}: the continuations did not reuse the prefix"
     assert_bitwise(model, rollouts_from_outputs([turn2[r] for r in seconds]), 1.0, what, min_tokens=18)
+
+
+def build_drawn(classes: tuple, family: str, fields: dict, seed: int, dtype: torch.dtype):
+    """(model, description) of a drawn config: ``classes`` = (config class, model class),
+    random init from ``seed``, cast as ``from_pretrained`` would leave it."""
+    from hybridrl.job.model_factory import cast_as_loaded
+
+    config_cls, model_cls = classes
+    torch.manual_seed(seed)
+    model = cast_as_loaded(model_cls(config_cls(**fields)), dtype).eval()
+    return model, f"{family} {dtype} seed={seed} {fields}"

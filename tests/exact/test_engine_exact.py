@@ -15,10 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from _engine_round_trip import (assert_bitwise, chunked_round_trip, continuation_round_trip, draw_requests,
-                                exact_engine, round_trip, trainer_logprobs)
+from _engine_round_trip import (assert_bitwise, build_drawn, chunked_round_trip, continuation_round_trip,
+                                draw_requests, exact_engine, round_trip, trainer_logprobs)
 from hybridrl.exact.ops import exact_log_softmax
-from hybridrl.job.model_factory import cast_as_loaded
 from hybridrl.rollout import EngineSpec, RolloutEngine, SamplingParams
 
 FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
@@ -45,10 +44,7 @@ def draw_dense(seed: int, dtype: torch.dtype, family: str | None = None):
         if rng.random() < 0.5:
             fields["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    config_cls, model_cls = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = cast_as_loaded(model_cls(config_cls(**fields)), dtype).eval()
-    return model, f"{family} {dtype} seed={seed} {fields}"
+    return build_drawn(FAMILIES[family], family, fields, seed, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

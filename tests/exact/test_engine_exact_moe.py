@@ -19,10 +19,9 @@ import torch
 from transformers import DeepseekV3Config, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-from _engine_round_trip import (assert_bitwise, chunked_round_trip, draw_requests, exact_engine, round_trip,
-                                trainer_logprobs)
+from _engine_round_trip import (assert_bitwise, build_drawn, chunked_round_trip, draw_requests, exact_engine,
+                                round_trip, trainer_logprobs)
 from hybridrl.exact import batch_invariant
-from hybridrl.job.model_factory import cast_as_loaded
 from hybridrl.rollout.layers.context import LayerContext
 from hybridrl.rollout.model_config import parse_hf_config
 from hybridrl.rollout.models.decoder.model import MLP
@@ -56,10 +55,7 @@ def draw_moe(seed: int, dtype: torch.dtype, family: str | None = None, norm_topk
     else:
         fields.update(hidden_size=heads * head_dim, shared_expert_intermediate_size=rng.choice([16, 32, 56]),
                       qkv_bias=rng.random() < 0.7)
-    config_cls, model_cls = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = cast_as_loaded(model_cls(config_cls(**fields)), dtype).eval()
-    return model, f"{family} {dtype} seed={seed} {fields}"
+    return build_drawn(FAMILIES[family], family, fields, seed, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

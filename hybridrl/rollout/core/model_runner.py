@@ -97,7 +97,7 @@ class ModelRunner:
             raise RuntimeError("extend: the DeepSeek-V4 state cannot continue a retained prefix")
         positions = (starts.view(B, 1) + self.slot_ids[:C].view(1, C)).clamp_(max=self.max_seq_len - 1)
         T = int((starts + lengths).max())
-        mask = (self.slot_ids[:T].view(1, 1, T) <= positions.view(B, C, 1)).view(B, 1, C, T)
+        mask = None if self.exact else (self.slot_ids[:T].view(1, 1, T) <= positions.view(B, C, 1)).view(B, 1, C, T)
         cos, sin = self.model.model.rotary_emb.tables(positions if mm is None else mm.positions)
         ctx = ForwardContext(positions, cos, sin, kv_cache=self.kv_cache, is_prefill=True, attn_mask=mask,
                              kv_len=T, row_start=row_start, extend=True, visual=mm.visual if mm is not None else None,
